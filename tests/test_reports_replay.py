@@ -1,0 +1,34 @@
+"""Smoke-run the replay reports with papermill on tiny parameters and check what they write."""
+import json
+
+import pandas as pd
+import pytest
+
+from tmas_nb.reporting import run_report
+
+
+def test_autotts_table_report(data_root, tmp_path):
+    d = run_report('autotts_table', tmp_path, dict(data_dir=str(data_root), models=['Qwen3-4B', 'Qwen3-8B'],
+                                                   datasets=['aime24'], seeds=100, jobs=1), progress=False)
+    t = pd.read_csv(d / 'autotts_table.csv')
+    assert len(t) == 12 and t.acc.between(0, 100).all()
+    s = json.loads((d / 'summary.json').read_text())
+    assert s['cells'] == 12 and s['matching'] == 12
+    assert '| Qwen3-4B' in (d / 'autotts_table.md').read_text()
+
+
+def test_autotts_scaling_report(data_root, tmp_path):
+    d = run_report('autotts_scaling', tmp_path, dict(data_dir=str(data_root), models=['Qwen3-0.6B'], datasets=['aime25'],
+                                                     seeds=3, jobs=1), progress=False)
+    pts = pd.read_csv(d / 'scaling_points.csv')
+    assert len(pts) == 34 and pts.pareto.any()
+    assert (d / 'scaling_curves.png').stat().st_size > 10_000
+
+
+def test_replay_benchmark_report(data_root, tmp_path):
+    d = run_report('replay_benchmark', tmp_path, dict(data_dir=str(data_root), baseline_seeds=1, seeds=2, repeats=1, jobs=1,
+                                                      models=['Qwen3-4B'], datasets=['aime24']), progress=False)
+    s = json.loads((d / 'summary.json').read_text())
+    assert s['grid_wall_s'] > 0 and s['baseline_one_store_s'] > 0 and s['speedup_vs_baseline_estimate'] > 1
+    per = pd.read_csv(d / 'per_controller.csv')
+    assert len(per) == 34 and (per.speedup > 0).all()
