@@ -1,0 +1,233 @@
+"""OpenAIBackend against a real OpenAI-compatible server (tmas_nb.llm.server with SmolLM2-135M) on 127.0.0.1.
+
+The server runs as a subprocess; the failure tests kill it with SIGKILL and start it again on the same port.
+"""
+import asyncio, os, signal, socket, subprocess, sys, tempfile, time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tmas_nb.llm.core import Request, load_llm
+from tmas_nb.llm.openai_backend import OpenAIBackend, LLMRequestError
+
+MODEL = 'smollm2'
+MAX_N = 4            # the server returns at most 4 samples per call, so n > 4 exercises the client's top-up
+READY_TIMEOUT = 300  # the first start converts the packaged GGUF model into the cache
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    "A `python -m tmas_nb.llm.server` subprocess serving the small model on 127.0.0.1:port."
+    def __init__(self, port: int, log_dir: Path):
+        self.port, self.log = port, log_dir / f'server-{port}-{time.monotonic_ns()}.log'
+        env = {**os.environ, 'HF_HUB_OFFLINE': '1', 'OMP_NUM_THREADS': '1', 'TOKENIZERS_PARALLELISM': 'false'}
+        self.t0 = time.monotonic()
+        with open(self.log, 'wb') as f:
+            self.proc = subprocess.Popen(
+                [sys.executable, '-m', 'tmas_nb.llm.server', '--model', MODEL, '--port', str(port),
+                 '--max-n', str(MAX_N), '--num-threads', '1'], stdout=f, stderr=subprocess.STDOUT, env=env)
+
+    @property
+    def url(self) -> str: return f'http://127.0.0.1:{self.port}/v1'
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT) -> float:
+        "Seconds from start until /health answered; fails with the server's log if it never does."
+        while time.monotonic() - self.t0 < timeout:
+            if self.proc.poll() is not None:
+                pytest.fail(f'server exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}')
+            try:
+                if httpx.get(f'http://127.0.0.1:{self.port}/health', timeout=1).status_code == 200:
+                    return time.monotonic() - self.t0
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.kill()
+        pytest.fail(f'server not ready after {timeout}s:\n{self.log.read_text()[-3000:]}')
+
+    def kill(self):
+        "SIGKILL, as a crash or an OOM killer would."
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope='module')
+def log_dir():
+    with tempfile.TemporaryDirectory() as d:
+        yield Path(d)
+
+
+@pytest.fixture(scope='module')
+def server(log_dir):
+    s = Server(free_port(), log_dir)
+    print(f'server ready in {s.wait_ready():.1f}s')
+    yield s
+    s.kill()
+
+
+def ask(prompt, **kw):
+    return Request.from_prompt(prompt, **kw)
+
+
+def test_n_samples_usage_and_length(server):
+    llm = OpenAIBackend(MODEL, base_url=server.url)
+    out = llm.generate_sync([ask('Write a long story about a dragon.', n=3, max_new_tokens=5, role='solution'),
+                             ask('Is 7 prime? Answer yes or no.', n=2, max_new_tokens=5, role='verification')])
+    assert [len(cs) for cs in out] == [3, 2]
+    assert llm.stats['http_calls'] == 2 and llm.stats['top_up_calls'] == 0    # all n samples from one call
+    for c in out[0]:
+        assert c.finish_reason == 'length' and c.completion_tokens == 5 and c.text
+    for c in out[1]:
+        assert 1 <= c.completion_tokens <= 5 and c.finish_reason in ('stop', 'length')
+    # exact per-sample counts (the server reports them); every sample carries its prompt's token count
+    assert llm.stats['estimated_samples'] == 0
+    p = out[0][0].prompt_tokens
+    assert p > 5 and [c.prompt_tokens for c in out[0]] == [p] * 3
+    u = llm.usage.by_role
+    assert (u['solution']['calls'], u['solution']['samples'], u['solution']['completion_tokens']) == (1, 3, 15)
+    assert u['solution']['prompt_tokens'] == 3 * p
+    assert (u['verification']['calls'], u['verification']['samples']) == (1, 2)
+    assert u['verification']['completion_tokens'] == sum(c.completion_tokens for c in out[1])
+    # the server kept its own per-role account from the X-TMAS-Role header
+    served = httpx.get(server.url + '/usage').json()['by_role']
+    assert served['solution']['samples'] >= 3 and served['verification']['samples'] >= 2
+
+
+def test_model_discovered_and_top_up_past_server_cap(server):
+    llm = load_llm(backend='openai', base_url=server.url)   # no model name: ask /v1/models
+    assert isinstance(llm, OpenAIBackend)
+    [cs] = llm.generate_sync([ask('Name a fruit.', n=6, max_new_tokens=3, seed=1)])
+    assert llm.model_id == MODEL
+    assert len(cs) == 6 and llm.n_per_call == MAX_N and llm.stats['top_up_calls'] == 1
+    assert llm.usage.by_role['solution']['samples'] == 6
+
+
+def test_seeded_sampling_is_reproducible(server):
+    llm = OpenAIBackend(MODEL, base_url=server.url)
+    r = ask('Tell me a word.', n=2, max_new_tokens=6, temperature=1.0, seed=123)
+    a, b = llm.generate_sync([r]), llm.generate_sync([r])
+    assert [c.raw for c in a[0]] == [c.raw for c in b[0]]
+
+
+def test_concurrent_requests_keep_their_order(server):
+    prompts = [f'Repeat exactly: {w}' for w in ('apple', 'river', 'stone', 'cloud', 'green', 'seven')]
+    llm = OpenAIBackend(MODEL, base_url=server.url, max_concurrency=3)
+    together = llm.generate_sync([ask(p, temperature=0, max_new_tokens=6) for p in prompts])
+    alone = [llm.generate_sync([ask(p, temperature=0, max_new_tokens=6)])[0] for p in prompts[:3]]
+    assert [len(cs) for cs in together] == [1] * 6 and llm.stats['http_calls'] == 9
+    # greedy outputs of the concurrent run line up with the one-by-one outputs of the same prompts
+    assert [cs[0].raw for cs in together[:3]] == [cs[0].raw for cs in alone]
+    assert llm.usage.by_role['solution']['calls'] == 9
+    # the server saw three requests at once, never more: the client's concurrency limit
+    assert httpx.get(f'http://127.0.0.1:{server.port}/health').json()['peak_in_flight'] == 3
+
+
+def test_bad_request_fails_at_once(server):
+    llm = OpenAIBackend(MODEL, base_url=server.url, extra_body={'top_p': 7}, backoff_base=5)
+    t0 = time.monotonic()
+    with pytest.raises(LLMRequestError) as e:
+        llm.generate_sync([ask('Hello there', role='judge')])
+    assert time.monotonic() - t0 < 5
+    assert (e.value.status_code, e.value.attempts, e.value.retryable, e.value.role) == (400, 1, False, 'judge')
+    assert 'top_p' in str(e.value) and "'Hello there'" in str(e.value) and llm.stats['retries'] == 0
+    wrong = OpenAIBackend('no-such-model', base_url=server.url)
+    with pytest.raises(LLMRequestError, match='serves `smollm2`') as e:
+        wrong.generate_sync([ask('Hello')])
+    assert e.value.status_code == 404 and wrong.stats['retries'] == 0
+
+
+def test_server_killed_mid_run_then_back_on_same_port(log_dir):
+    port = free_port()
+    first = Server(port, log_dir)
+    first.wait_ready()
+    requests = [ask(f'Write a long essay about the number {i}.', n=2, max_new_tokens=400, role='summary')
+                for i in range(4)]
+
+    # 1. kill -9 while requests are in flight; the server stays down: bounded retries, then a clear error
+    impatient = OpenAIBackend(MODEL, base_url=first.url, max_retries=3, backoff_base=0.05, backoff_max=0.2)
+
+    async def run_and_kill():
+        job = asyncio.ensure_future(impatient.generate(requests))
+        while impatient.stats['http_calls'] < len(requests):
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)
+        first.kill()
+        try: return await job
+        finally: await impatient.aclose()
+
+    t0 = time.monotonic()
+    with pytest.raises(LLMRequestError) as e:
+        asyncio.run(run_and_kill())
+    assert time.monotonic() - t0 < 60
+    err = e.value
+    assert err.retryable and err.attempts == 4 and err.role == 'summary'
+    assert 'gave up after 4 attempts' in str(err) and 'Write a long essay about the number' in str(err)
+    assert 'Error' in err.last_error                      # the transport error that ended it (connection refused/reset)
+    assert impatient.stats['retries'] >= 3
+    kinds = {e.split(':')[0] for _, _, e in impatient.errors}
+    # requests cut off mid-generation (the connection dropped), then refused connections while the server is down
+    assert kinds & {'RemoteProtocolError', 'ReadError'} and 'ConnectError' in kinds, kinds
+    print('retries before giving up:', impatient.stats['retries'], '| last error:', err.last_error)
+
+    # 2. the server comes back on the same port while the client is backing off: the requests succeed
+    # (no model name: the server is down now, so the name is looked up, with retries, on the first call)
+    patient = OpenAIBackend(base_url=first.url, max_retries=40, backoff_base=0.5, backoff_max=2.0)
+    assert patient.model is None
+    second = None
+
+    async def restart_while_waiting():
+        nonlocal second
+        job = asyncio.ensure_future(patient.generate([ask('Say hello.', n=2, max_new_tokens=4, role='summary')]))
+        while patient.stats['retries'] < 2:
+            await asyncio.sleep(0.05)
+        second = Server(port, log_dir)
+        try: return await job
+        finally: await patient.aclose()
+
+    try:
+        [cs] = asyncio.run(restart_while_waiting())
+        assert len(cs) == 2 and all(c.completion_tokens > 0 for c in cs)
+        assert patient.stats['retries'] >= 2 and patient.stats['failures'] == 0 and patient.model_id == MODEL
+        print('retries until the restarted server answered:', patient.stats['retries'])
+    finally:
+        if second is not None:
+            second.kill()
+
+
+def test_against_transformers_serve(server, log_dir):
+    """A server we did not write: `transformers serve` ignores `n` (one choice per call), so the client tops up."""
+    from tmas_nb.llm.models import resolve_model
+    folder = resolve_model(MODEL)                       # the converted folder (made by the `server` fixture)
+    port = free_port()
+    log = log_dir / 'transformers-serve.log'
+    exe = Path(sys.executable).with_name('transformers')
+    env = {**os.environ, 'HF_HUB_OFFLINE': '1', 'OMP_NUM_THREADS': '1'}
+    with open(log, 'wb') as f:
+        proc = subprocess.Popen([str(exe), 'serve', folder, '--host', '127.0.0.1', '--port', str(port),
+                                 '--device', 'cpu', '--dtype', 'float32'], stdout=f, stderr=subprocess.STDOUT, env=env)
+    try:
+        t0 = time.monotonic()
+        while True:
+            assert proc.poll() is None, f'transformers serve exited:\n{log.read_text()[-3000:]}'
+            assert time.monotonic() - t0 < 180, f'transformers serve not ready:\n{log.read_text()[-3000:]}'
+            try:
+                if httpx.get(f'http://127.0.0.1:{port}/v1/models', timeout=1).status_code == 200: break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        print(f'transformers serve ready in {time.monotonic() - t0:.1f}s')
+        llm = OpenAIBackend(folder, base_url=f'http://127.0.0.1:{port}/v1')
+        [cs] = llm.generate_sync([ask('Name a colour.', n=3, max_new_tokens=4, seed=7, role='experience')])
+        assert len(cs) == 3 and all(c.completion_tokens > 0 and c.prompt_tokens > 0 for c in cs)
+        u = llm.usage.by_role['experience']
+        assert (u['calls'], u['samples']) == (1, 3)
+        print('n per call answered by transformers serve:', llm.n_per_call, '| http calls:', llm.stats['http_calls'])
+        assert llm.stats['http_calls'] == 1 or (llm.n_per_call == 1 and llm.stats['top_up_calls'] == 2)
+    finally:
+        proc.kill(); proc.wait(timeout=30)
