@@ -117,6 +117,18 @@ def test_seeded_samples_are_reproducible(backend):
     assert [c.raw for c in a] == [c.raw for c in b]
 
 
+def test_seeded_requests_share_a_batch_and_keep_their_samples(backend):
+    """Sampling is seeded per row, so seeded requests batch together and still give the samples they give alone."""
+    a = Request.from_prompt('Name an animal.', n=3, max_new_tokens=10, seed=7, temperature=1.0, top_p=0.95)
+    b = Request.from_prompt('Name a European capital.', n=3, max_new_tokens=10, seed=8, temperature=1.0, top_p=0.95)
+    before = backend.batches_run
+    together = backend.generate_sync([a, b])
+    assert backend.batches_run - before == 1
+    alone = [backend.generate_sync([a])[0], backend.generate_sync([b])[0]]
+    assert [[c.text for c in cs] for cs in together] == [[c.text for c in cs] for cs in alone]
+    assert len({c.text for c in together[0]}) > 1      # three different samples, not one repeated
+
+
 def test_usage_is_counted_per_role(backend):
     out = backend.generate_sync([Request.from_prompt('Solve 1+1.', n=2, max_new_tokens=6, role='solution'),
                                  Request.from_prompt('Is 2 right?', max_new_tokens=6, role='verification'),
