@@ -273,3 +273,7 @@ def test_throughput_report_smoke(tmp_path):
     assert (df[['completion_tokens', 'seconds', 'tokens_per_s']] > 0).all().all()
     assert df.completion_tokens.iloc[1] == df.completion_tokens.iloc[2], 'replay must count the same tokens'
     assert (out / 'throughput.png').stat().st_size > 0 and (out / 'greedy_agreement.csv').exists()
+    engines = pd.read_csv(out / 'engines.csv')
+    assert list(engines.engine) == ['naive', 'tmas_nb', 'cache_replay', 'generate_batched']
+    # the same seeded samples through model.generate: the same number of tokens as our decode loop
+    assert engines.completion_tokens.iloc[3] == engines.completion_tokens.iloc[1]
