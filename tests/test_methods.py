@@ -342,6 +342,14 @@ def test_real_model_run_killed_and_resumed_equals_an_uninterrupted_run(tmp_path)
     assert a.status['last_invocation_cache']['hits'] == 0
     assert 'hits' in resumed.stderr
 
+    # rerunning a finished run replays every call and never loads the model
+    again = subprocess.run(tmas_command(ref_dir, cfg), env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    c = load_run(ref_dir)
+    assert c.status['last_invocation_cache'] == {'hits': c.status['last_invocation_cache']['hits'], 'misses': 0,
+                                                 'model_loaded': False}
+    assert plain(c.records) == plain(a.records)
+
     s = subprocess.run([sys.executable, '-m', 'tmas_nb.runs', 'runs', 'summary', str(res_dir), '--json'],
                        env=env, capture_output=True, text=True, timeout=120)
     assert s.returncode == 0, s.stderr
