@@ -118,8 +118,8 @@ def test_parse_verification_score(text, score):
 def test_verification_prompt_matches_parser():
     u = user(render_verification_messages(Q, ROLLOUTS[0]['solution']))
     assert 'Try n = 2' in u and 'private scratch work' not in u
-    last = u.rstrip().splitlines()[-1]
-    assert parse_verification_score(last.replace('<score>', '0.5')) == 0.5
+    assert [parse_verification_score(l) for l in u.rstrip().splitlines()[-3:]] == [1.0, 0.5, 0.0]
+    assert '<score>' not in u
 
 
 @pytest.mark.parametrize('text,obj', [
