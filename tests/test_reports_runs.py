@@ -145,7 +145,7 @@ def test_compute_report(recorded_runs, summaries, tmp_path):
     d = run_report('compute', tmp_path, dict(runs=[str(p) for p in recorded_runs.values()]), progress=False)
     c = pd.read_csv(d / 'compute.csv')
     assert len(c) == 4 and _finite(c, ['tokens_per_problem', 'pass_at_1']) and (c.tokens_per_problem > 0).all()
-    assert c.pareto.any()
+    assert c.pareto.any() and c.complete.all()
     per_run = pd.read_csv(d / 'compute_per_run.csv').set_index('label')
     tokens = sum(summaries['tmas']['tokens_by_role'].values())
     assert per_run.loc['tmas', 'completion_tokens'] == tokens

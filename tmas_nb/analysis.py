@@ -20,7 +20,7 @@ __all__ = ['REQUIRED_RUN_FILES', 'RECORD_FIELDS', 'BANK_FIELDS', 'TMAS_VARIANTS'
            'tokens_by_method', 'verification_paradox', 'unique_guidelines', 'bank_sizes', 'pareto_front',
            'significance_vs_baseline', 'repeated_runs', 'display_names']
 
-# %% ../nbs/30_analysis.ipynb #da09c78c
+# %% ../nbs/30_analysis.ipynb #d3def5f8
 REQUIRED_RUN_FILES = ('config.json', 'records.parquet', 'banks.parquet', 'usage.json')
 "The files a finished run folder must hold for the reports (`status.json` is optional)."
 
@@ -49,9 +49,13 @@ class RunData:
     @property
     def model(self) -> str: return str(self.config.get('model', ''))
     @property
+    def complete(self) -> bool: return bool(self.status.get('complete', True))
+    @property
     def n_problems(self) -> int:
+        "Problems of the run: those in its config when it finished, else those with a checkpointed record so far."
         ids = self.config.get('problem_ids')
-        return len(ids) if ids else int(self.records['problem_id'].nunique())
+        if ids and self.complete: return len(ids)
+        return int(self.records['problem_id'].nunique())
     @property
     def label(self) -> str: return run_label(self.config)
     def __repr__(self): return f"RunData({str(self.run_dir)!r}, {self.label!r}, records={len(self.records)})"
@@ -224,7 +228,7 @@ def iteration_table(long: pd.DataFrame, value: str = 'pass_at_1', scale: float =
     w.columns = [f'It{int(i)}' for i in w.columns]
     return w
 
-# %% ../nbs/30_analysis.ipynb #008aec7c
+# %% ../nbs/30_analysis.ipynb #ed8ab613
 def total_completion_tokens(run: RunData) -> int:
     "Completion tokens of all roles of a run (usage.json), else the candidates' tokens from the records."
     u = run.usage or {}
@@ -240,7 +244,7 @@ def tokens_by_method(runs: Sequence[RunData]) -> pd.DataFrame:
         c = pass_at_1_by_iteration(r.records)
         tot = total_completion_tokens(r)
         rows.append({'run': str(r.run_dir), 'label': r.label, 'method': r.method, 'model': r.model, 'seed': r.settings.get('seed'),
-                     'problems': r.n_problems, 'completion_tokens': tot,
+                     'problems': r.n_problems, 'complete': r.complete, 'completion_tokens': tot,
                      'candidate_tokens': int(r.records['completion_tokens'].sum()),
                      'tokens_per_problem': tot / max(r.n_problems, 1),
                      'pass_at_1': float(c.pass_at_1.iloc[-1]) if len(c) else float('nan'),
