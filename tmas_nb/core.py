@@ -8,12 +8,14 @@ import os, json, tempfile
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['DATA_HINT', 'repo_root', 'find_data_dir', 'data_dir', 'atomic_write_bytes', 'atomic_write_text', 'atomic_write_json']
+__all__ = ['DATA_HINT', 'repo_root', 'user_data_dir', 'find_data_dir', 'data_dir', 'fetch_hint', 'atomic_write_bytes',
+           'atomic_write_text', 'atomic_write_json']
 
 # %% ../nbs/00_core.ipynb #e9ebc090
-DATA_HINT = ("Set TMAS_DATA_DIR to a folder holding autotts_replay/<model>/<dataset>.json and "
-             "benchmarks/ (the AutoTTS authors' released replay stores and the benchmark files), "
-             "or pass the path explicitly.")
+DATA_HINT = ("Get the AutoTTS replay stores with `tmas data fetch autotts` (or everything public with "
+             "`tmas data fetch all`; `tmas data list` shows each data set); they go to your user data folder, "
+             "which is read automatically. Or set TMAS_DATA_DIR to a folder holding "
+             "autotts_replay/<model>/<dataset>.json and benchmarks/, or pass the path explicitly.")
 
 def repo_root() -> Path:
     "The repository root (the folder holding settings.ini), or the package's parent when installed elsewhere."
@@ -22,8 +24,20 @@ def repo_root() -> Path:
         if (p / 'settings.ini').exists(): return p
     return here.parent
 
+def user_data_dir() -> Path:
+    "Where `tmas data fetch` puts data: `$TMAS_DATA_HOME`, else the user's data folder (platformdirs)."
+    env = os.environ.get('TMAS_DATA_HOME')
+    if env: return Path(env).expanduser()
+    import platformdirs
+    return Path(platformdirs.user_data_dir('tmas_nb', appauthor=False))
+
+def _shared_data_dir() -> Path | None:
+    "`../shared/data` beside the repository, unless `TMAS_NO_SHARED_DATA` is set."
+    if os.environ.get('TMAS_NO_SHARED_DATA', '') not in ('', '0'): return None
+    return repo_root().parent / 'shared' / 'data'
+
 def find_data_dir(path: str | os.PathLike | None = None) -> Path | None:
-    "The data folder: `path`, else `$TMAS_DATA_DIR`, else `../shared/data` beside the repo; None if none exists."
+    "The data folder: `path`, else `$TMAS_DATA_DIR`, else `../shared/data`, else the user data folder; None if none exists."
     if path is not None:
         p = Path(path).expanduser()
         if not p.is_dir(): raise FileNotFoundError(f"data folder {p} does not exist. {DATA_HINT}")
@@ -33,14 +47,23 @@ def find_data_dir(path: str | os.PathLike | None = None) -> Path | None:
         p = Path(env).expanduser()
         if not p.is_dir(): raise FileNotFoundError(f"TMAS_DATA_DIR={env} is not a folder. {DATA_HINT}")
         return p
-    p = repo_root().parent / 'shared' / 'data'
-    return p if p.is_dir() else None
+    for p in (_shared_data_dir(), user_data_dir()):
+        if p is not None and p.is_dir(): return p
+    return None
 
 def data_dir(path: str | os.PathLike | None = None) -> Path:
     "Like `find_data_dir`, but raises a clear error when no data folder can be found."
     p = find_data_dir(path)
-    if p is None: raise FileNotFoundError(f"no data folder found. {DATA_HINT}")
+    if p is None:
+        looked = [str(q) for q in (_shared_data_dir(), user_data_dir()) if q is not None]
+        raise FileNotFoundError(f"no data folder found (TMAS_DATA_DIR is unset; looked in {', '.join(looked)}). {DATA_HINT}")
     return p
+
+# %% ../nbs/00_core.ipynb #cd45ddee
+def fetch_hint(relpath: str) -> str:
+    "A sentence naming the exact `tmas data fetch …` command that provides `relpath` (a path inside the data folder)."
+    from tmas_nb.fetch import fetch_hint as _hint   # the registry of data sets lives there
+    return _hint(relpath)
 
 # %% ../nbs/00_core.ipynb #644e952d
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
