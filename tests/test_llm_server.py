@@ -23,14 +23,14 @@ def free_port() -> int:
 
 
 class Server:
-    "A `python -m tmas_nb.llm.server` subprocess serving the small model on 127.0.0.1:port."
+    "A `python -m tmas_nb.cli serve` subprocess serving the small model on 127.0.0.1:port."
     def __init__(self, port: int, log_dir: Path):
         self.port, self.log = port, log_dir / f'server-{port}-{time.monotonic_ns()}.log'
         env = {**os.environ, 'HF_HUB_OFFLINE': '1', 'OMP_NUM_THREADS': '1', 'TOKENIZERS_PARALLELISM': 'false'}
         self.t0 = time.monotonic()
         with open(self.log, 'wb') as f:
             self.proc = subprocess.Popen(
-                [sys.executable, '-m', 'tmas_nb.llm.server', '--model', MODEL, '--port', str(port),
+                [sys.executable, '-m', 'tmas_nb.cli', 'serve', '--model', MODEL, '--port', str(port),
                  '--max-n', str(MAX_N), '--num-threads', '1'], stdout=f, stderr=subprocess.STDOUT, env=env)
 
     @property
@@ -130,10 +130,8 @@ def test_concurrent_requests_keep_their_order(server):
 
 def test_bad_request_fails_at_once(server):
     llm = OpenAIBackend(MODEL, base_url=server.url, extra_body={'top_p': 7}, backoff_base=5)
-    t0 = time.monotonic()
     with pytest.raises(LLMRequestError) as e:
         llm.generate_sync([ask('Hello there', role='judge')])
-    assert time.monotonic() - t0 < 5
     assert (e.value.status_code, e.value.attempts, e.value.retryable, e.value.role) == (400, 1, False, 'judge')
     assert 'top_p' in str(e.value) and "'Hello there'" in str(e.value) and llm.stats['retries'] == 0
     wrong = OpenAIBackend('no-such-model', base_url=server.url)
@@ -161,10 +159,8 @@ def test_server_killed_mid_run_then_back_on_same_port(log_dir):
         try: return await job
         finally: await impatient.aclose()
 
-    t0 = time.monotonic()
     with pytest.raises(LLMRequestError) as e:
         asyncio.run(run_and_kill())
-    assert time.monotonic() - t0 < 60
     err = e.value
     assert err.retryable and err.attempts == 4 and err.role == 'summary'
     assert 'gave up after 4 attempts' in str(err) and 'Write a long essay about the number' in str(err)
@@ -231,3 +227,200 @@ def test_against_transformers_serve(server, log_dir):
         assert llm.stats['http_calls'] == 1 or (llm.n_per_call == 1 and llm.stats['top_up_calls'] == 2)
     finally:
         proc.kill(); proc.wait(timeout=30)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A server that misreports like llama-server: `usage.completion_tokens` counts only the first choice, `n` above its
+# slots is refused with llama-server's own message, and `POST /tokenize` counts with the model's real tokenizer.
+# Its answers are word salads of seeded random lengths, so every choice has a different, known token count.
+
+SLOTS = 8
+SERVED_NAME = 'misreporting/model-q4.gguf'
+WORDS = 'the answer is seven because two plus five gives seven and nothing else'.split()
+
+
+class Misreporting:
+    "A FastAPI/uvicorn OpenAI-style server on 127.0.0.1 (in a thread) with llama-server's token and `n` behaviour."
+    def __init__(self, tokenize: bool = True):
+        import threading, random
+        import uvicorn
+        from fastapi import FastAPI, Request as HTTPRequest
+        from fastapi.responses import JSONResponse
+        from transformers import AutoTokenizer
+        from tmas_nb.llm.models import resolve_model
+        self.tok = AutoTokenizer.from_pretrained(resolve_model(MODEL))
+        self.seen, self.true_completion_tokens = [], 0
+        tokenize_on = tokenize
+        app = FastAPI()
+
+        def count(text): return len(self.tok.encode(text, add_special_tokens=False))
+
+        @app.get('/v1/models')
+        async def models(): return {'object': 'list', 'data': [{'id': SERVED_NAME, 'object': 'model'}]}
+
+        async def tokenize(request: HTTPRequest):
+            if not tokenize_on: return JSONResponse({'error': 'File Not Found'}, status_code=404)
+            body = await request.json()
+            return {'tokens': self.tok.encode(body['content'], add_special_tokens=False)}
+
+        async def chat(request: HTTPRequest):
+            body = await request.json()
+            n = body.get('n', 1)
+            self.seen.append((n, body.get('seed')))
+            if n > SLOTS:
+                return JSONResponse({'error': {'code': 400, 'type': 'invalid_request_error', 'message':
+                                     f"Field 'n': Value must be between 1 <= value <= {SLOTS}, but got {n}"}}, status_code=400)
+            seed = body.get('seed')
+            texts = []
+            for i in range(n):
+                rng = random.Random(None if seed is None else seed + i)   # like llama-server: child i uses seed + i
+                texts.append(' '.join(rng.choice(WORDS) for _ in range(rng.randint(1, body.get('max_tokens', 16)))))
+            counts = [count(t) for t in texts]
+            self.true_completion_tokens += sum(counts)
+            return {'id': 'x', 'object': 'chat.completion', 'model': SERVED_NAME,
+                    'choices': [{'index': i, 'finish_reason': 'stop', 'message': {'role': 'assistant', 'content': t}}
+                                for i, t in enumerate(texts)],
+                    'usage': {'prompt_tokens': 9, 'completion_tokens': counts[0], 'total_tokens': 9 + counts[0]}}
+
+        app.post('/tokenize')(tokenize)
+        app.post('/v1/chat/completions')(chat)
+        self.sock = socket.socket(); self.sock.bind(('127.0.0.1', 0)); self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level='warning', lifespan='off'))
+        self.thread = threading.Thread(target=self.server.run, kwargs=dict(sockets=[self.sock]), daemon=True)
+        self.thread.start()
+        t0 = time.monotonic()
+        while not self.server.started:
+            assert time.monotonic() - t0 < 30, 'the misreporting server did not start'
+            time.sleep(0.01)
+
+    @property
+    def url(self) -> str: return f'http://127.0.0.1:{self.port}/v1'
+
+    def stop(self):
+        self.server.should_exit = True; self.thread.join(timeout=10); self.sock.close()
+
+
+@pytest.fixture
+def misreporting():
+    s = Misreporting()
+    yield s
+    s.stop()
+
+
+def test_token_counts_do_not_trust_the_servers_total(misreporting):
+    llm = OpenAIBackend(base_url=misreporting.url)
+    [cs] = llm.generate_sync([ask('Why is 2 + 5 seven?', n=5, max_new_tokens=12, seed=3)])
+    true = [len(misreporting.tok.encode(c.raw, add_special_tokens=False)) for c in cs]
+    assert [c.completion_tokens for c in cs] == true and len(set(true)) > 1
+    assert sum(true) == misreporting.true_completion_tokens > true[0]     # the server's usage said only true[0]
+    assert llm.token_count_source == 'tokenize' and llm.stats['estimated_samples'] == 0
+    assert llm.usage.by_role['solution']['completion_tokens'] == sum(true)
+    assert llm.served_model == SERVED_NAME and llm.record()['token_count_source'] == 'tokenize'
+
+
+def test_token_counts_with_a_local_tokenizer_when_the_server_has_no_tokenize():
+    s = Misreporting(tokenize=False)
+    try:
+        blind = OpenAIBackend(base_url=s.url)
+        [cs] = blind.generate_sync([ask('Why?', n=4, max_new_tokens=12, seed=5)])
+        assert blind.token_count_source == 'estimated' and blind.stats['estimated_samples'] == 4
+        assert sum(c.completion_tokens for c in cs) < s.true_completion_tokens   # an estimate from the bad total, flagged
+        s.true_completion_tokens = 0
+        llm = OpenAIBackend(base_url=s.url, tokenizer=MODEL)
+        [cs] = llm.generate_sync([ask('Why?', n=4, max_new_tokens=12, seed=5)])
+        assert llm.token_count_source == 'tokenizer'
+        assert sum(c.completion_tokens for c in cs) == s.true_completion_tokens
+    finally:
+        s.stop()
+
+
+def test_n_above_the_servers_slots_is_split_and_remembered(misreporting):
+    llm = OpenAIBackend(base_url=misreporting.url)
+    r = ask('Why?', n=20, max_new_tokens=6, seed=100)
+    [cs] = llm.generate_sync([r])
+    assert len(cs) == 20 and llm.n_per_call == SLOTS and llm.stats['n_refusals'] == 1
+    assert sorted(misreporting.seen) == sorted([(20, 100), (8, 100), (8, 108), (4, 116)])
+    misreporting.seen.clear()
+    [again] = llm.generate_sync([r])                        # the limit is known: no second refusal
+    assert [c.raw for c in again] == [c.raw for c in cs] and llm.stats['n_refusals'] == 1
+    assert max(n for n, _ in misreporting.seen) == SLOTS
+    capped = OpenAIBackend(base_url=misreporting.url, max_n_per_call=3)   # set up front: never refused
+    [cs3] = capped.generate_sync([ask('Why?', n=7, max_new_tokens=6, seed=100)])
+    assert capped.stats['n_refusals'] == 0 and [c.raw for c in cs3] != [] and len(cs3) == 7
+
+
+def test_tmas_run_against_the_misreporting_server(misreporting, tmp_path, data_root):
+    out = tmp_path / 'run'
+    cmd = [sys.executable, '-m', 'tmas_nb.cli', 'run', '--method', 'mv', '--benchmark', 'demo', '--limit', '2',
+           '--n-candidates', '9', '--max-new-tokens', '8', '--backend', 'openai', '--base-url', misreporting.url,
+           '--quiet', '--out', str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, 'TMAS_DATA_DIR': str(data_root)})
+    assert p.returncode == 0, p.stderr[-3000:]
+    import json
+    cfg = json.loads((out / 'config.json').read_text())
+    assert cfg['model_id'] == SERVED_NAME and cfg['server']['served_model'] == SERVED_NAME
+    assert cfg['server']['token_count_source'] == 'tokenize' and cfg['server']['n_per_call'] == SLOTS
+    assert cfg['server']['token_sources'] == {'tokenize': 16, 'usage': 2}   # 9 = 8 (counted) + 1 (exact total)
+    usage = json.loads((out / 'usage.json').read_text())
+    assert usage['total']['completion_tokens'] == misreporting.true_completion_tokens
+    assert usage['total']['samples'] == 18
+    # --max-n-per-call: the server is never asked for more
+    misreporting.seen.clear()
+    p = subprocess.run(cmd[:-1] + [str(tmp_path / 'run4'), '--max-n-per-call', '4', '--seed', '9'], capture_output=True,
+                       text=True, timeout=120, env={**os.environ, 'TMAS_DATA_DIR': str(data_root)})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert misreporting.seen and max(n for n, _ in misreporting.seen) == 4
+    assert json.loads((tmp_path / 'run4' / 'config.json').read_text())['server']['max_n_per_call'] == 4
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# API keys: `tmas serve --api-key` (or TMAS_API_KEY) and the refusal to listen beyond loopback without one.
+
+def test_api_key_required_when_set(log_dir):
+    port = free_port()
+    env = {**os.environ, 'HF_HUB_OFFLINE': '1', 'OMP_NUM_THREADS': '1', 'TMAS_API_KEY': 'k-123'}
+    log = log_dir / 'keyed.log'
+    with open(log, 'wb') as f:      # beyond loopback (all interfaces) is allowed because there is a key
+        proc = subprocess.Popen([sys.executable, '-m', 'tmas_nb.cli', 'serve', '--model', MODEL, '--host', '0.0.0.0',
+                                 '--port', str(port), '--num-threads', '1'], stdout=f, stderr=subprocess.STDOUT, env=env)
+    try:
+        t0 = time.monotonic()
+        while True:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() - t0 < READY_TIMEOUT, log.read_text()[-3000:]
+            try:
+                if httpx.get(f'http://127.0.0.1:{port}/health', timeout=1).status_code == 200: break   # /health is open
+            except httpx.HTTPError: pass
+            time.sleep(0.2)
+        url = f'http://127.0.0.1:{port}/v1'
+        for headers in ({}, {'Authorization': 'Bearer wrong'}, {'Authorization': 'k-123'}):
+            r = httpx.get(url + '/models', headers=headers)
+            assert r.status_code == 401 and r.json()['error']['code'] == 'invalid_api_key', (headers, r.text)
+        r = httpx.post(url + '/chat/completions', json={'messages': [{'role': 'user', 'content': 'hi'}]})
+        assert r.status_code == 401 and 'Bearer' in r.json()['error']['message']
+        assert httpx.get(url + '/models', headers={'Authorization': 'Bearer k-123'}).json()['data'][0]['id'] == MODEL
+        wrong = OpenAIBackend(MODEL, base_url=url, api_key='nope', backoff_base=5)
+        with pytest.raises(LLMRequestError) as e:
+            wrong.generate_sync([ask('Hello')])
+        assert e.value.status_code == 401 and wrong.stats['retries'] == 0
+        right = OpenAIBackend(base_url=url, api_key='k-123')
+        [cs] = right.generate_sync([ask('Hello', max_new_tokens=3)])
+        assert right.model_id == MODEL and cs[0].completion_tokens > 0
+    finally:
+        proc.kill(); proc.wait(timeout=30)
+
+
+def test_serve_refuses_other_hosts_without_a_key():
+    env = {k: v for k, v in os.environ.items() if k != 'TMAS_API_KEY'}
+    env['HF_HUB_OFFLINE'] = '1'
+    p = subprocess.run([sys.executable, '-m', 'tmas_nb.cli', 'serve', '--host', '0.0.0.0', '--port', str(free_port())],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert p.returncode == 2 and '--api-key' in p.stderr and '--allow-unauthenticated' in p.stderr, p.stderr
+    assert 'loading' not in p.stderr                      # refused before loading anything
+    # with explicit consent the check passes (and the command goes on to load the model: here a missing one)
+    p = subprocess.run([sys.executable, '-m', 'tmas_nb.cli', 'serve', '--host', '0.0.0.0', '--port', str(free_port()),
+                        '--allow-unauthenticated', '--model', '/no/such/model-folder'],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert p.returncode != 0 and 'tmas serve: loading /no/such/model-folder' in p.stderr, p.stderr[-2000:]
+    assert '--allow-unauthenticated' not in p.stderr

@@ -6,11 +6,11 @@
 from __future__ import annotations
 import asyncio, collections, email.utils, json, os, random, time, weakref
 
-from .core import LLM, Completion, Request, run_sync, split_reasoning, THINK_OPEN, THINK_CLOSE
+from .core import LLM, Completion, Request, run_sync, split_thinking, THINK_OPEN, THINK_CLOSE
 
 # %% auto #0
-__all__ = ['DEFAULT_BASE_URL', 'request_body', 'parse_choices', 'LLMRequestError', 'backoff_delay', 'parse_retry_after',
-           'OpenAIBackend']
+__all__ = ['TOKEN_COUNT_SOURCES', 'DEFAULT_BASE_URL', 'request_body', 'parse_choices', 'LLMRequestError', 'backoff_delay',
+           'parse_retry_after', 'n_limit_from_refusal', 'OpenAIBackend']
 
 # %% ../../nbs/13_llm_openai.ipynb #1e0bef65
 def request_body(model: str, request: Request, n: int | None = None, seed: int | None = None,
@@ -34,6 +34,8 @@ def request_body(model: str, request: Request, n: int | None = None, seed: int |
     return body
 
 # %% ../../nbs/13_llm_openai.ipynb #0fadf021
+TOKEN_COUNT_SOURCES = ('per_choice', 'logprobs', 'usage', 'tokenizer', 'tokenize', 'estimated')
+
 def _apportion(total: int, weights: list[float]) -> list[int]:
     "Split the integer `total` in proportion to `weights` (largest remainders); the parts sum to `total`."
     if not weights: return []
@@ -45,35 +47,41 @@ def _apportion(total: int, weights: list[float]) -> list[int]:
     for i in order[:total - sum(parts)]: parts[i] += 1
     return parts
 
-def parse_choices(data: dict, latency_s: float = 0.0) -> tuple[list[Completion], bool]:
-    "Completions from a chat-completions response body, and whether their token counts were estimated."
+def _choice_count(ch: dict) -> tuple[int | None, str | None]:
+    "A choice's own token count: its `completion_tokens` field, else the length of its per-token logprobs."
+    n_tok = ch.get('completion_tokens', (ch.get('usage') or {}).get('completion_tokens'))
+    if n_tok is not None: return int(n_tok), 'per_choice'
+    lp = ch.get('logprobs')
+    if isinstance(lp, dict) and isinstance(lp.get('content'), list): return len(lp['content']), 'logprobs'
+    return None, None
+
+def _choice_completion(ch: dict, latency_s: float) -> Completion:
+    msg = ch.get('message') or {}
+    content = msg.get('content') or ''
+    reasoning = msg.get('reasoning_content') or msg.get('reasoning') or ''
+    if reasoning:
+        c = Completion(text=content.strip(), reasoning=reasoning.strip(), raw=f'{THINK_OPEN}\n{reasoning}\n{THINK_CLOSE}\n\n{content}')
+    else: c = Completion.from_raw(content, finish_reason='length' if ch.get('finish_reason') == 'length' else 'stop')
+    c.finish_reason = 'length' if ch.get('finish_reason') == 'length' else 'stop'
+    c.latency_s = float(latency_s)
+    return c
+
+def parse_choices(data: dict, latency_s: float = 0.0) -> tuple[list[Completion], str]:
+    "Completions from a chat-completions response body, and where their token counts came from (`TOKEN_COUNT_SOURCES`)."
     choices = sorted(data.get('choices') or [], key=lambda c: c.get('index', 0))
     usage = data.get('usage') or {}
     prompt_tokens = int(usage.get('prompt_tokens') or 0)
     total_completion = int(usage.get('completion_tokens') or 0)
-    out, per_choice = [], []
-    for ch in choices:
-        msg = ch.get('message') or {}
-        content = msg.get('content') or ''
-        reasoning = msg.get('reasoning_content') or msg.get('reasoning') or ''
-        if reasoning:
-            raw = f'{THINK_OPEN}\n{reasoning}\n{THINK_CLOSE}\n\n{content}'
-            c = Completion(text=content.strip(), reasoning=reasoning.strip(), raw=raw)
-        else:
-            c = Completion.from_raw(content)
-        c.finish_reason = 'length' if ch.get('finish_reason') == 'length' else 'stop'
-        c.latency_s = float(latency_s)
-        n_tok = ch.get('completion_tokens', (ch.get('usage') or {}).get('completion_tokens'))
-        per_choice.append(None if n_tok is None else int(n_tok))
-        out.append(c)
-    estimated = any(t is None for t in per_choice) and len(out) > 1
-    if all(t is not None for t in per_choice): counts = per_choice
-    elif len(out) == 1: counts = [total_completion]
-    else: counts = _apportion(total_completion, [len(c.raw) for c in out])
-    for i, (c, t) in enumerate(zip(out, counts)):
-        c.completion_tokens = t
-        c.prompt_tokens = prompt_tokens
-    return out, estimated
+    out = [_choice_completion(ch, latency_s) for ch in choices]
+    own = [_choice_count(ch) for ch in choices]
+    if out and all(t is not None for t, _ in own):
+        counts, source = [t for t, _ in own], ('logprobs' if any(s == 'logprobs' for _, s in own) else 'per_choice')
+    elif len(out) == 1: counts, source = [total_completion], 'usage'
+    else: counts, source = _apportion(total_completion, [len(c.raw) for c in out]), 'estimated'
+    for c, t in zip(out, counts):
+        c.completion_tokens, c.prompt_tokens = t, prompt_tokens
+    return out, source
+
 
 # %% ../../nbs/13_llm_openai.ipynb #32f85266
 class LLMRequestError(RuntimeError):
@@ -115,6 +123,23 @@ def _first_words(request: Request, k: int = 8) -> str:
     words = str(request.messages[-1].get('content', '')).split()
     return ' '.join(words[:k]) + (' ...' if len(words) > k else '')
 
+# %% ../../nbs/13_llm_openai.ipynb #a8e1beec
+_N_LIMIT_PATTERNS = (r"<=\s*value\s*<=\s*(\d+)",                  # llama-server: Value must be between 1 <= value <= 8
+                     r"\bn\b['\"`]?\s*(?:must be|should be|is limited to|cannot exceed|can be at most)\s*(?:<=|at most|less than or equal to|no more than|between 1 and)?\s*(\d+)",
+                     r"(?:at most|maximum(?: of)?|max(?:imum)? (?:n|value) (?:is|of))\s*(\d+)\s*(?:choices|completions|samples)?")
+_NAMES_N = r"(?:field|param(?:eter)?|argument)\s*['\"`]?n['\"`]?\b|['\"`]n['\"`]|\bn\s*(?:must|should|=|>|<)|\bnum(?:ber of)? (?:choices|completions)"
+
+def n_limit_from_refusal(message: str, n: int, status_code: int | None = 400) -> int | None:
+    "The largest `n` a server's `400` refusal of `n` samples allows (halving when it names no number); None for other errors."
+    import re
+    if status_code != 400 or n <= 1 or not message: return None
+    if not re.search(_NAMES_N, message, flags=re.I): return None
+    for pat in _N_LIMIT_PATTERNS:
+        m = re.search(pat, message, flags=re.I)
+        if m and 1 <= int(m.group(1)) < n: return int(m.group(1))
+    return max(1, n // 2)
+
+
 # %% ../../nbs/13_llm_openai.ipynb #39c6172c
 _RETRY_STATUS = (429,)
 DEFAULT_BASE_URL = 'http://127.0.0.1:8000/v1'
@@ -127,13 +152,22 @@ def _normalise_base_url(url: str) -> str:
     if '/' not in rest: url += '/v1'   # bare host:port -> the usual /v1 prefix
     return url
 
+def _chunks(n: int, size: int, seed: int | None) -> list[tuple[int, int | None]]:
+    "Split `n` samples into calls of at most `size`, each with the seed shifted by the samples before it."
+    out, have = [], 0
+    while have < n:
+        k = min(max(1, size), n - have)
+        out.append((k, None if seed is None else seed + have)); have += k
+    return out
+
 class OpenAIBackend(LLM):
     "An `LLM` served by an OpenAI-compatible `/v1/chat/completions` endpoint."
     def __init__(self, model: str | None = None, base_url: str | None = None, api_key: str | None = None,
                  max_concurrency: int = 16, max_retries: int = 5, timeout: float = 600.0,
                  connect_timeout: float = 10.0, backoff_base: float = 0.5, backoff_max: float = 30.0,
                  max_retry_after: float = 120.0, max_n_per_call: int | None = None,
-                 extra_body: dict | None = None, headers: dict | None = None, discover: bool = True):
+                 extra_body: dict | None = None, headers: dict | None = None, discover: bool = True,
+                 token_counts: str = 'auto', tokenizer=None):
         if model in (None, '', 'default'): model = os.environ.get('TMAS_OPENAI_MODEL') or None
         self.base_url = _normalise_base_url(base_url or os.environ.get('OPENAI_BASE_URL') or DEFAULT_BASE_URL)
         super().__init__(model or f'unresolved@{self.base_url}')
@@ -146,9 +180,17 @@ class OpenAIBackend(LLM):
         self.max_concurrency, self.max_retries = max_concurrency, max_retries
         self.timeout, self.connect_timeout = float(timeout), float(connect_timeout)
         self.backoff_base, self.backoff_max, self.max_retry_after = backoff_base, backoff_max, max_retry_after
-        self.n_per_call = max_n_per_call       # learnt from the server when it answers fewer choices than asked
+        if token_counts not in ('auto', 'logprobs', 'usage'):
+            raise ValueError(f"OpenAIBackend: token_counts must be 'auto', 'logprobs' or 'usage', got {token_counts!r}")
+        self.max_n_per_call = max_n_per_call
+        self.n_per_call = max_n_per_call       # learnt from the server when it answers fewer choices or refuses n
+        self.token_counts, self.tokenizer = token_counts, tokenizer
+        self.token_sources = collections.Counter()    # samples counted per source (TOKEN_COUNT_SOURCES)
+        self.served_models = collections.Counter()    # the `model` field of the responses
+        self._tokenize_path = None             # the server's tokenize endpoint once found; False when it has none
         self.extra_body, self.headers = dict(extra_body or {}), dict(headers or {})
-        self.stats = dict(http_calls=0, retries=0, top_up_calls=0, estimated_samples=0, failures=0)
+        self.stats = dict(http_calls=0, retries=0, top_up_calls=0, split_calls=0, n_refusals=0,
+                          estimated_samples=0, tokenize_calls=0, failures=0)
         self.errors = collections.deque(maxlen=100)    # (time, request, error) of failed attempts, newest last
         self._per_loop = weakref.WeakKeyDictionary()   # event loop -> (httpx.AsyncClient, Semaphore, Lock)
         if self.model is None and discover: self._discover_now()
@@ -163,6 +205,24 @@ class OpenAIBackend(LLM):
         except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
             return                              # the server may not be up yet: resolve on the first call
         if len(names) == 1: self.model = self.model_id = names[0]
+
+    @property
+    def served_model(self) -> str | None:
+        "The model name the server put in its responses (the most frequent one), else the name sent."
+        return self.served_models.most_common(1)[0][0] if self.served_models else self.model
+
+    @property
+    def token_count_source(self) -> str | None:
+        "How completion tokens were counted: one of `TOKEN_COUNT_SOURCES`, 'mixed', or None before any call."
+        used = [k for k, v in self.token_sources.items() if v]
+        if len(used) > 1 and 'usage' in used: used.remove('usage')   # one-choice calls are exact: name the other way
+        return None if not used else used[0] if len(used) == 1 else 'mixed'
+
+    def record(self) -> dict:
+        "What a run should record about the server: the served model, token-count sources and the learnt `n` limit."
+        return {'served_model': self.served_model, 'token_count_source': self.token_count_source,
+                'token_sources': dict(self.token_sources), 'n_per_call': self.n_per_call,
+                'max_n_per_call': self.max_n_per_call, 'base_url': self.base_url}
 
     def __repr__(self): return f"OpenAIBackend({self.model_id!r}, base_url={self.base_url!r})"
 
@@ -260,41 +320,101 @@ class OpenAIBackend(LLM):
         return LLMRequestError(f"{what} to {self.base_url} ({self.model_id}) failed: {why}; last error: {last}",
                                role=role, attempts=attempts, status_code=status, last_error=last, retryable=retryable)
 
+    # -- counting tokens the server did not count per choice ------------------------------------
+    def _local_tokenizer(self):
+        "The tokenizer given as `tokenizer=` (an object with `encode`, or a name/folder for `AutoTokenizer`)."
+        if isinstance(self.tokenizer, str):
+            from transformers import AutoTokenizer
+            from tmas_nb.llm.models import resolve_model
+            self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(self.tokenizer))
+        return self.tokenizer
+
+    async def _tokenize_remote(self, client, path: str, text: str) -> int | None:
+        "Token count of `text` from the server's tokenize endpoint, or None when it has no such endpoint."
+        import httpx
+        root = self.base_url[:-len('/v1')] if self.base_url.endswith('/v1') else self.base_url
+        body = ({'content': text, 'add_special': False, 'prompt': text, 'model': self.model, 'add_special_tokens': False}
+                if path == '/tokenize' else {'input': text, 'model': self.model})
+        self.stats['tokenize_calls'] += 1
+        r = await client.post(root + path, json=body)
+        if r.status_code >= 500 or r.status_code == 429: raise ValueError(f'HTTP {r.status_code} from {path}')
+        if r.status_code != 200: return None
+        try: data = r.json()
+        except ValueError: return None
+        if isinstance(data.get('tokens'), list): return len(data['tokens'])
+        if isinstance(data.get('count'), int): return data['count']
+        return None
+
+    async def _count_tokens(self, texts: list[str]) -> tuple[list[int] | None, str]:
+        "Per-sample token counts from the given tokenizer, else from the server's tokenize endpoint; None when neither works."
+        import httpx
+        if self.tokenizer is not None:
+            tok = self._local_tokenizer()
+            return [len(tok.encode(t, add_special_tokens=False)) for t in texts], 'tokenizer'
+        if self._tokenize_path is False: return None, 'estimated'
+        client, sem, _ = self._loop_state()
+        for path in ([self._tokenize_path] if self._tokenize_path else ['/tokenize', '/extras/tokenize']):
+            try:
+                async with sem: counts = await asyncio.gather(*(self._tokenize_remote(client, path, t) for t in texts))
+            except (httpx.HTTPError, ValueError, TypeError, AttributeError) as e:
+                self.errors.append((time.time(), f'POST {path}', f'{type(e).__name__}: {e}'))
+                return None, 'estimated'       # a passing failure: estimate this call, try again on the next
+            if all(isinstance(k, int) for k in counts):
+                self._tokenize_path = path
+                return list(counts), 'tokenize'
+        self._tokenize_path = False            # the server has no tokenize endpoint: stop asking
+        return None, 'estimated'
+
     async def _chat(self, request: Request, n: int, seed: int | None) -> list[Completion]:
         model = await self.resolve_model()
         body = request_body(model, request, n=n, seed=seed, extra_body=self.extra_body)
+        if self.token_counts == 'logprobs' and n > 1: body.setdefault('logprobs', True)
         what = f"request role={request.role!r} ({_first_words(request)!r}, n={n})"
         t0 = time.perf_counter()
         data = await self._call('POST', '/chat/completions', body, role=request.role, what=what,
                                 headers={'X-TMAS-Role': request.role})
-        cs, estimated = parse_choices(data, latency_s=time.perf_counter() - t0)
-        if estimated: self.stats['estimated_samples'] += len(cs)
+        cs, source = parse_choices(data, latency_s=time.perf_counter() - t0)
+        if data.get('model'): self.served_models[str(data['model'])] += 1
+        if source == 'estimated' and self.token_counts != 'usage':
+            counts, how = await self._count_tokens([c.raw for c in cs])
+            if counts is not None:
+                for c, k in zip(cs, counts): c.completion_tokens = k
+                source = how
+        if source == 'estimated': self.stats['estimated_samples'] += len(cs)
+        self.token_sources[source] += len(cs)
         return cs
 
+    async def _chat_split(self, request: Request, n: int, seed: int | None) -> list[Completion]:
+        "One call for `n` samples; when the server refuses that many, learn its limit and split the call."
+        try: return await self._chat(request, n, seed)
+        except LLMRequestError as e:
+            limit = n_limit_from_refusal(e.last_error, n, e.status_code)
+            if limit is None: raise
+        self.stats['n_refusals'] += 1
+        self.n_per_call = limit if self.n_per_call is None else min(self.n_per_call, limit)
+        chunks = _chunks(n, self.n_per_call, seed)
+        self.stats['split_calls'] += len(chunks)
+        got = await asyncio.gather(*(self._chat_split(request, k, s) for k, s in chunks))
+        return [c for cs in got for c in cs]
+
     async def _one(self, request: Request) -> list[Completion]:
-        want = request.n
-        first = want if self.n_per_call is None else min(want, self.n_per_call)
-        out = (await self._chat(request, first, request.seed))[:want]
-        if not out:
-            raise LLMRequestError(f"{self.base_url} returned no choices for request role={request.role!r} "
-                                  f"({_first_words(request)!r}); check that the server supports chat completions",
-                                  role=request.role, attempts=1)
-        if len(out) < first:                   # the server caps n: remember its limit
-            self.n_per_call = len(out) if self.n_per_call is None else min(self.n_per_call, len(out))
+        want, out, first = request.n, [], True
         while len(out) < want:
-            size = max(1, self.n_per_call or want)
-            chunks, have = [], len(out)
-            while have < want:
-                k = min(size, want - have); chunks.append((k, None if request.seed is None else request.seed + have)); have += k
-            self.stats['top_up_calls'] += len(chunks)
-            got = await asyncio.gather(*(self._chat(request, k, s) for k, s in chunks))
+            chunks = _chunks(want - len(out), self.n_per_call or want,
+                             None if request.seed is None else request.seed + len(out))
+            if first: self.stats['split_calls'] += len(chunks) - 1
+            else: self.stats['top_up_calls'] += len(chunks)
+            got = await asyncio.gather(*(self._chat_split(request, k, s) for k, s in chunks))
             added = [c for cs in got for c in cs]
             if not added:
-                raise LLMRequestError(f"{self.base_url} returned no choices on a top-up call for request "
-                                      f"role={request.role!r} ({_first_words(request)!r})", role=request.role)
-            out.extend(added)
-            smallest = min(len(cs) for cs in got)
-            if smallest < min(k for k, _ in chunks): self.n_per_call = max(1, smallest)
+                raise LLMRequestError(f"{self.base_url} returned no choices for request role={request.role!r} "
+                                      f"({_first_words(request)!r}){' on a top-up call' if not first else ''}; "
+                                      "check that the server supports chat completions", role=request.role, attempts=1)
+            short = [len(cs) for cs, (k, _) in zip(got, chunks) if len(cs) < k]
+            if short:                          # the server caps n: remember its limit
+                cap = max(1, min(short))
+                self.n_per_call = cap if self.n_per_call is None else min(self.n_per_call, cap)
+            out.extend(added); first = False
         return out[:want]
 
     async def _generate(self, requests: list[Request]) -> list[list[Completion]]:
