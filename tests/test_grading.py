@@ -3,17 +3,16 @@ import argparse, asyncio, concurrent.futures, json, logging, subprocess, sys, ti
 
 import pytest
 
-from tmas_nb.core import data_dir
 from tmas_nb import grading
 from tmas_nb.grading import (grade, grade_detail, grade_many, grade_many_detail, extract_answer_detail, answer_kind,
-                             clean_answer, pass_at_1, parse_verdict, judge, add_cli, main, shutdown_pool)
+                             clean_answer, pass_at_1, parse_verdict, judge, add_cli, shutdown_pool)
 
 
 @pytest.fixture(scope='module')
-def golds():
+def golds(data_root):
     "Raw reference answers by (benchmark, id), read straight from the data files."
     import csv
-    root = data_dir() / 'benchmarks'
+    root = data_root / 'benchmarks'
     out = {}
     with open(root / 'imo_answerbench_v2.csv', encoding='utf-8', newline='') as f:
         for row in csv.DictReader(f): out['imo', row['Problem ID']] = row['Short Answer']
@@ -104,14 +103,12 @@ def test_every_gold_equals_itself_and_not_its_neighbour(golds):
     keys = sorted(golds)
     raw = [golds[k] for k in keys]
     assert len(raw) == 460
-    t = time.time()
     own = grade_many_detail([r'\boxed{' + clean_answer(a) + '}' for a in raw], raw, progress=False)
     assert [r for r in own if not r.correct] == []
     nxt = [clean_answer(raw[(i + 1) % len(raw)]) for i in range(len(raw))]
     other = grade_many([r'\boxed{' + b + '}' for b in nxt], raw, progress=False)
     wrongly = [(keys[i], raw[i], nxt[i]) for i, ok in enumerate(other) if ok and clean_answer(raw[i]) != nxt[i]]
     assert wrongly == []
-    assert time.time() - t < 120
 
 
 def test_text_answers_never_reach_math_verify():
@@ -141,7 +138,8 @@ def test_extraction_rules():
 def test_truncated_output_is_never_credited_without_a_box():
     assert not grade('... so the answer is 29', '29', finish_reason='length')
     assert grade('... so the answer is 29', '29', finish_reason='stop')
-    assert grade(r'... \boxed{29}. Let me double check this by', '29', finish_reason='length')
+    assert not grade(r'... \boxed{29}. Let me double check this by', '29', finish_reason='length')
+    assert grade(r'... \boxed{29}. Let me double check this by', '29', finish_reason='length', extract_truncated=True)
     assert grade_many(['the answer is 29'] * 2, ['29'] * 2, finish_reasons=['stop', 'length']) == [True, False]
 
 
@@ -159,11 +157,9 @@ def _sleepy(*args):
 def test_timeout_counts_as_wrong_and_recovers(monkeypatch, caplog):
     shutdown_pool()
     monkeypatch.setattr(grading, 'math_equal_job', _sleepy)
-    t = time.time()
     with caplog.at_level(logging.WARNING, logger='tmas_nb.grading'):
         r = grade_detail(r'\boxed{1}', '1', timeout=1)
     assert (r.correct, r.reason) == (False, 'timeout after 1 s')
-    assert time.time() - t < 15
     assert 'took over 1 s' in caplog.text
     monkeypatch.undo()
     assert grade(r'\boxed{1}', '1')
@@ -175,9 +171,8 @@ def test_grade_errors_are_clear():
 
 
 def test_cli_contract_subprocess():
-    code = 'import sys; from tmas_nb.grading import main; sys.exit(main(sys.argv[1:]))'
     def run(*args, stdin=None):
-        return subprocess.run([sys.executable, '-c', code, 'grade', *args], capture_output=True, text=True, input=stdin, timeout=120)
+        return subprocess.run([sys.executable, '-m', 'tmas_nb.cli', 'grade', *args], capture_output=True, text=True, input=stdin, timeout=120)
     r = run('--gold', '$\\frac{1}{2}$', '--pred', r'so the answer is \boxed{0.5}')
     assert (r.returncode, r.stdout) == (0, 'true\n'), r.stderr
     r = run('--gold', 'No', '--pred', r'\boxed{On}')
@@ -188,7 +183,7 @@ def test_cli_contract_subprocess():
     r = run('--gold', '29', '--pred', 'the answer is 29', '--finish-reason', 'length')
     assert (r.returncode, r.stdout) == (0, 'false\n')
     r = run('--gold', ' ', '--pred', '1')
-    assert r.returncode == 2 and 'reference answer is empty' in r.stderr
+    assert r.returncode == 2 and r.stderr.startswith('tmas: error: ') and 'reference answer is empty' in r.stderr
 
 
 def test_cli_add_cli_on_own_parser(capsys):
@@ -198,19 +193,13 @@ def test_cli_add_cli_on_own_parser(capsys):
     assert 'grade' in parser.format_help()
     args = parser.parse_args(['grade', '--gold', '(-\\infty, 0]', '--pred', r'\boxed{x \le 0}'])
     assert args.func(args) == 0 and capsys.readouterr().out == 'true\n'
+    from tmas_nb.cli import main
     assert main(['grade', '--gold', '3', '--pred', r'\boxed{4}']) == 0 and capsys.readouterr().out == 'false\n'
 
 
 def test_judge_control_flow_and_pass_at_1():
-    from tmas_nb.llm.core import LLM, Completion
-
-    class Scripted(LLM):
-        def __init__(self, replies): super().__init__('scripted'); self.replies, self.requests = list(replies), []
-        async def _generate(self, requests):
-            self.requests += requests
-            return [[Completion(text=self.replies.pop(0)) for _ in range(r.n)] for r in requests]
-
-    llm = Scripted(['**CORRECT**', 'This is incorrect.', 'no verdict here', 'Correct'])
+    from helpers import ScriptedLLM
+    llm = ScriptedLLM(['**CORRECT**', 'This is incorrect.', 'no verdict here', 'Correct'])
     out = asyncio.run(judge(llm, 'Find all n.', r'... \boxed{\text{odd } n}', 'odd $n$', runs=4))
     assert out == [True, False, False, True]
     req = llm.requests[0]
@@ -224,7 +213,70 @@ def test_judge_with_a_real_small_model():
     "The judge prompt through the packaged 135M model: one request with n=runs, one verdict (a bool) per run."
     from tmas_nb.llm.core import load_llm
     llm = load_llm('smollm2')
+    replies, generate = [], llm._generate
+
+    async def recorded(requests):
+        out = await generate(requests)
+        replies.extend(c.text for cs in out for c in cs)
+        return out
+    llm._generate = recorded
     try: out = asyncio.run(judge(llm, 'What is 2 + 3?', r'2 + 3 = 5, so \boxed{5}', '5', runs=2, max_new_tokens=8))
     finally: llm.close()
-    assert len(out) == 2 and all(isinstance(v, bool) for v in out)
+    # each verdict is the model's own reply read by parse_verdict (no verdict counts as not correct)
+    assert len(replies) == 2 and out == [parse_verdict(t) is True for t in replies], (replies, out)
     assert llm.usage.by_role['judge']['samples'] == 2
+
+
+# ---------------------------------------------------------------- outputs of thinking models
+def test_truncated_generation_has_no_answer():
+    "A box written mid-thought before the token limit is not an answer (the CLI case of a new user)."
+    cut = r'First try \boxed{7}. Hmm, let me recheck'
+    assert extract_answer_detail(cut, 'length') == (None, 'truncated')
+    r = grade_detail(cut, '7', finish_reason='length')
+    assert (r.correct, r.answer, r.method) == (False, None, 'truncated')
+    assert grade(cut, '7', finish_reason='length', extract_truncated=True)      # the lenient option keeps the old reading
+    assert grade_many([cut, cut], ['7', '7'], ['length', 'stop']) == [False, True]
+
+
+def test_cli_truncated_prediction_is_wrong():
+    from tmas_nb.cli import main
+    import contextlib, io
+    args = ['grade', '--gold', '7', '--pred', 'First try \\boxed{7}. Hmm, let me recheck…', '--finish-reason', 'length']
+    for extra, want in (([], 'false\n'), (['--answer-from-truncated'], 'true\n')):
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf): assert main(args + extra) == 0
+        assert buf.getvalue() == want
+
+
+def test_answer_is_read_after_the_last_think_close_only():
+    # the template opened <think>, so the output has only the closing tag
+    assert extract_answer_detail(r'Maybe \boxed{3}? No.</think> So the answer is \boxed{4}.') == ('4', 'boxed')
+    # closed twice: the answer follows the last one
+    assert extract_answer_detail(r'a \boxed{1}</think>b \boxed{2}</think>\boxed{3}') == ('3', 'boxed')
+    # finished inside an unclosed block: no response, so no answer
+    assert extract_answer_detail(r'<think>I guess \boxed{5}') == (None, 'none')
+    assert grade(r'<think>\boxed{5}</think> The answer is 6.', '6') and not grade(r'<think>\boxed{5}</think> The answer is 6.', '5')
+    assert parse_verdict('CORRECT so far... </think> INCORRECT') is False
+
+
+def test_run_option_answer_from_truncated_is_recorded_and_used(tmp_path):
+    "`tmas run --answer-from-truncated` lands in the run config and switches the lenient reading on for that run."
+    from helpers import ScriptedLLM
+    from tmas_nb.cli import build_parser
+    from tmas_nb.data import demo_problems
+    from tmas_nb.methods import run_method
+    from tmas_nb.runs import config_from_args
+    from tmas_nb.llm.core import Completion
+    base = ['run', '--method', 'sampling', '--benchmark', 'demo', '--out', str(tmp_path / 'x')]
+    assert config_from_args('sampling', build_parser().parse_args(base)).answer_from_truncated is False
+    cfg = config_from_args('sampling', build_parser().parse_args(base + ['--answer-from-truncated']))
+    assert cfg.answer_from_truncated is True and cfg.to_dict()['answer_from_truncated'] is True
+    p = demo_problems()[0]
+    class CutOff(ScriptedLLM):
+        def _completion(self, text): return Completion.from_raw(text, opens_in_prompt=True, finish_reason='length', completion_tokens=9)
+    for lenient in (False, True):
+        llm = CutOff({'solution': rf'So \boxed{{{p.answer}}}, let me check again'})
+        df = asyncio.run(run_method('sampling', [p], llm, {'n_candidates': 2, 'iterations': 1, 'answer_from_truncated': lenient},
+                                    run_dir=tmp_path / str(lenient), progress=False))
+        assert list(df.correct) == [lenient] * 2 and (df.finish_reason == 'length').all()
+        assert df.solution.str.contains('let me check again').all()     # the cut-off text is kept in the record

@@ -277,3 +277,117 @@ def test_throughput_report_smoke(tmp_path):
     assert list(engines.engine) == ['naive', 'tmas_nb', 'cache_replay', 'generate_batched']
     # the same seeded samples through model.generate: the same number of tokens as our decode loop
     assert engines.completion_tokens.iloc[3] == engines.completion_tokens.iloc[1]
+
+
+# ---------------------------------------------------------------- thinking models: one split, truncation, templates
+from tmas_nb.llm.core import split_thinking, TRUNCATED_NOTE, engine_stats
+
+QWEN3_STYLE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+               "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
+               "<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}{% endif %}")
+
+
+def test_split_thinking_rules():
+    assert split_thinking(r'First try \boxed{7}. Hmm', 'length') == ('', r'First try \boxed{7}. Hmm', True)
+    assert split_thinking(r'First try \boxed{7}. Hmm', 'length', opens_in_prompt=True) == (r'First try \boxed{7}. Hmm', '', True)
+    assert split_thinking('opened in the prompt</think> 42') == ('opened in the prompt', '42', False)
+    assert split_thinking('<think>a</think>b</think> c') == ('a</think>b', 'c', False)
+    assert split_thinking('<think>never closed', 'stop') == ('never closed', '', False)
+    c = Completion.from_raw(r'So \boxed{7}, but let me', opens_in_prompt=True, finish_reason='length')
+    assert (c.text, c.truncated, c.final_response) == ('', True, TRUNCATED_NOTE)
+    assert Completion.from_raw('x</think> 5').final_response == '5'
+
+
+def test_template_that_opens_think_is_detected(smol):
+    import copy
+    from tmas_nb.llm.transformers_backend import template_opens_thinking, finish_sequence, end_token_ids
+    model, tok = smol
+    think = copy.deepcopy(tok); think.chat_template = QWEN3_STYLE
+    assert not template_opens_thinking(tok)
+    assert template_opens_thinking(think) and not template_opens_thinking(think, enable_thinking=False)
+    ids = think.encode(r'Try \boxed{7}. Hmm, let me recheck', add_special_tokens=False)
+    c = finish_sequence(think, ids, Request.from_prompt('q', max_new_tokens=len(ids)), 5, end_token_ids(model, think))
+    assert (c.finish_reason, c.text, c.reasoning) == ('length', '', r'Try \boxed{7}. Hmm, let me recheck')
+    b = TransformersBackend('smollm2', model_and_tokenizer=(model, think), num_threads=1)
+    try: assert b.opens_thinking is True
+    finally: b.close()
+
+
+def test_agents_get_final_responses_and_truncated_candidates_are_marked(tmp_path):
+    "Control flow: what the verification, summary, memory and exploit-mode solution agents are shown of a candidate."
+    from helpers import ScriptedLLM
+    from tmas_nb.data import demo_problems
+    from tmas_nb.methods import run_method, TMASConfig
+    p = demo_problems()[0]
+    cut = rf'SECRET-CUT try \boxed{{{p.answer}}}, hmm let me'
+    done = rf'SECRET-THOUGHT</think> So \boxed{{{p.answer}}}.'
+    class Thinker(ScriptedLLM):
+        def _completion(self, text):
+            return Completion.from_raw(text, opens_in_prompt=True, finish_reason='length' if text == cut else 'stop', completion_tokens=5)
+    llm = Thinker({'solution': lambda r, k: cut if k % 2 == 0 else done, 'verification': r'Checked. Score: \boxed{1}',
+                   'summary': 'A summary.', 'experience': '{}', 'guideline': '{}'})
+    cfg = TMASConfig(n_candidates=2, n_verifications=1, iterations=2, epsilon=0.0, embedder='hashing', memory_retries=0)
+    df = asyncio.run(run_method('tmas', [p], llm, cfg, run_dir=tmp_path, concurrency=1, progress=False))
+    shown = [m['content'] for r in llm.requests if r.role != 'solution' for m in r.messages]
+    later = [m['content'] for r in [r for r in llm.requests if r.role == 'solution'][2:] for m in r.messages]  # exploit prompts of iteration 1
+    assert not any('SECRET' in t for t in shown + later), 'a chain of thought reached another agent'
+    for texts in (shown, later):
+        assert any(TRUNCATED_NOTE in t for t in texts) and any(rf'So \boxed{{{p.answer}}}' in t for t in texts)
+    ver = [r.messages[-1]['content'] for r in llm.requests if r.role == 'verification']
+    assert sum(TRUNCATED_NOTE in t for t in ver) == sum(df.finish_reason == 'length') >= 1
+    cutoff = df[df.finish_reason == 'length']
+    assert not cutoff.correct.any() and cutoff.answer.isna().all() and df[df.finish_reason == 'stop'].correct.all()
+
+
+def _tiny_backend(smol, **kw):
+    from tmas_nb.llm.transformers_backend import tiny_random_model
+    _, tok = smol
+    return TransformersBackend('tiny', engine='continuous', model_and_tokenizer=(tiny_random_model(tok), tok), num_threads=1, **kw)
+
+
+def test_seeds_hold_on_the_cuda_engine_choice(smol):
+    "The engine selection of the CUDA path (continuous batching), run here with a tiny random model."
+    b = _tiny_backend(smol)
+    try:
+        reqs = [Request.from_prompt(f'Count to {k}.', temperature=1.0, top_p=0.95, max_new_tokens=6, seed=k, n=2) for k in range(3)]
+        alone = [[c.raw for c in b.generate_sync([r])[0]] for r in reqs]
+        together = [[c.raw for c in cs] for cs in b.generate_sync(reqs + [Request.from_prompt('A longer prompt, in the same batch.', temperature=1.0, top_p=0.95, max_new_tokens=6, n=2)])[:3]]
+        assert alone == together
+        assert b.engine_for([reqs[0]]) == 'batched' and b.engine_for([greedy('x')]) == 'continuous'
+    finally: b.close()
+
+
+def test_engine_fallback_is_logged_and_recorded(smol, caplog, tmp_path):
+    import logging
+    b = _tiny_backend(smol)
+    def broken(*a, **k): raise RuntimeError('no paged attention here')
+    b.model.generate_batch = broken
+    try:
+        with caplog.at_level(logging.WARNING):
+            [[c]] = b.generate_sync([greedy('Hi', max_new_tokens=3)])
+        assert c.completion_tokens >= 1
+        [note] = b.stats['engine_fallbacks']
+        assert (note['engine'], note['instead']) == ('continuous', 'batched') and 'no paged attention' in note['error']
+        assert 'continuous batching failed' in caplog.text
+        cached = CachedLLM(b, tmp_path / 'calls.sqlite', close_backend=False)
+        assert engine_stats(cached)['engine_fallbacks'] == [note]
+        cached.store.close()
+    finally: b.close()
+
+
+def test_run_status_records_engine_fallbacks(smol, tmp_path):
+    "A greedy run on the continuous engine that fails: the run still finishes and its status.json says what happened."
+    import json
+    from tmas_nb.data import demo_problems
+    from tmas_nb.runs import start_run
+    b = _tiny_backend(smol)
+    def broken(*a, **k): raise RuntimeError('no paged attention here')
+    b.model.generate_batch = broken
+    try:
+        run = asyncio.run(start_run('sampling', demo_problems()[:1], {'n_candidates': 1, 'iterations': 1, 'temperature': 0.0,
+                                    'max_new_tokens': 3, 'embedder': 'hashing'}, tmp_path / 'run', llm=b, progress=False))
+        st = json.loads((tmp_path / 'run' / 'status.json').read_text())
+        assert run.complete and st['last_invocation_engines']['batches_by_engine'] == {'batched': 1}
+        [note] = st['last_invocation_engines']['engine_fallbacks']
+        assert note['engine'] == 'continuous' and 'no paged attention' in note['error']
+    finally: b.close()

@@ -101,9 +101,10 @@ def test_experience_bank_merge_and_replace():
     b.update(['The roots are 2 and -2.'], ['Check negative roots.'], round=0)
     ev = b.update(['the roots are 2 and -2.', 'The discriminant is 16.'], ['check NEGATIVE roots.'], round=1)
     assert ev.added == {'anchors': ['The discriminant is 16.'], 'heuristics': []}
-    assert {(x.text, x.round) for x in b.anchors} == {('the roots are 2 and -2.', 1), ('The discriminant is 16.', 1)}
+    # incremental: the admitted item stays as it was (text and round); the restatement merges into it
+    assert [(x.text, x.round) for x in b.anchors] == [('The roots are 2 and -2.', 0), ('The discriminant is 16.', 1)]
     ev = b.update(['The discriminant is 16.'], [], round=2, replace=True)
-    assert ev.removed == {'anchors': ['the roots are 2 and -2.'], 'heuristics': ['check NEGATIVE roots.']}
+    assert ev.removed == {'anchors': ['The roots are 2 and -2.'], 'heuristics': ['Check negative roots.']}
     assert [(x.text, x.round) for x in b.anchors] == [('The discriminant is 16.', 1)] and b.heuristics == []
     assert len(b.events) == 3
 
@@ -209,5 +210,6 @@ def test_real_minilm_paraphrases_merge_unrelated_do_not():
     b = RSEBank()
     b.update(['The only real root of the cubic is x = 2.', 'The cubic has exactly one real root, namely x = 2.'],
              ['Dividing both sides by x loses the solution x = 0.'], round=0)
-    assert b.texts('propositions') == ['The cubic has exactly one real root, namely x = 2.']
+    # admission is incremental and in arrival order: the first of the two paraphrases is admitted, the second merges
+    assert b.texts('propositions') == ['The only real root of the cubic is x = 2.']
     assert b.events[0].merged['propositions'][0].reason == 'similarity' and len(b.pitfalls) == 1

@@ -8,13 +8,14 @@ import csv, json, os, random
 from dataclasses import dataclass, field, asdict
 from pathlib import Path
 
-from .core import data_dir as _data_dir
+from .core import data_dir as _data_dir, fetch_hint
 from .grading import clean_answer
 
 # %% auto #0
 __all__ = ['IMO_COLUMNS', 'JSONL_BENCHMARKS', 'DEMO_PROBLEMS', 'BENCHMARKS', 'SOLVE_PROMPT', 'Problem', 'ProblemFileError',
            'load_problems', 'load_imo_answerbench', 'load_jsonl_problems', 'load_hmmt', 'demo_problems',
-           'load_benchmark', 'first_k', 'stratified', 'hard_subset', 'count_solves']
+           'load_benchmark', 'first_k', 'stratified', 'hard_subset', 'count_solves', 'write_problem_ids',
+           'read_problem_ids', 'select_problems', 'pick_subset', 'build_hard_subset', 'add_data_cli', 'add_cli']
 
 # %% ../nbs/17_data.ipynb #94cb3c9a
 @dataclass(frozen=True)
@@ -95,7 +96,8 @@ JSONL_BENCHMARKS = ('hmmt24', 'hmmt25', 'hle_math_100')
 def load_imo_answerbench(path=None) -> list[Problem]:
     "IMO-AnswerBench v2 (400 problems) from its official CSV; default `<data dir>/benchmarks/imo_answerbench_v2.csv`."
     path = Path(path).expanduser() if path is not None else _data_dir() / 'benchmarks' / 'imo_answerbench_v2.csv'
-    if not path.is_file(): raise FileNotFoundError(f"{path}: no such file; IMO-AnswerBench v2 is the CSV released by its authors")
+    if not path.is_file(): raise FileNotFoundError(f"{path}: no such file; IMO-AnswerBench v2 is the CSV released by its authors. "
+                                         + fetch_hint('benchmarks/imo_answerbench_v2.csv'))
     with open(path, encoding='utf-8-sig', newline='') as f: header = next(csv.reader(f), [])
     missing = [c for c in IMO_COLUMNS if c not in header]
     if missing: raise ProblemFileError(f"{path}: header lacks the column(s) {missing}; IMO-AnswerBench v2 has {list(IMO_COLUMNS)} (got {header})")
@@ -112,7 +114,8 @@ def load_hmmt(path_or_name='hmmt25', data_dir=None) -> list[Problem]:
     if str(path_or_name) in JSONL_BENCHMARKS:
         name = str(path_or_name)
         p = _data_dir(data_dir) / 'benchmarks' / f'{name}.jsonl'
-        if not p.is_file(): raise FileNotFoundError(f"{p}: no such file; put {name}.jsonl (question_id, question, answer per line) in the data folder's benchmarks/ or pass its path")
+        if not p.is_file(): raise FileNotFoundError(f"{p}: no such file; put {name}.jsonl (question_id, question, answer per line) in the "
+                                           f"data folder's benchmarks/ or pass its path. " + fetch_hint(f'benchmarks/{name}.jsonl'))
         return load_jsonl_problems(p, benchmark=name)
     return load_jsonl_problems(path_or_name)
 
@@ -237,3 +240,102 @@ async def count_solves(llm, problems, samples: int = 8, prompt: str = SOLVE_PROM
         if bar is not None: bar.update(len(chunk))
     if bar is not None: bar.close()
     return counts
+
+# %% ../nbs/17_data.ipynb #c3383959
+def write_problem_ids(path, ids, info: dict | None = None) -> Path:
+    "Write a problem-id list (one id per line, `info` as `# key: value` comment lines first)."
+    from tmas_nb.core import atomic_write_text
+    head = ''.join(f"# {k}: {json.dumps(v) if not isinstance(v, str) else v}\n" for k, v in (info or {}).items())
+    return atomic_write_text(Path(path), head + ''.join(f"{i}\n" for i in ids))
+
+def read_problem_ids(path) -> list[str]:
+    "The ids of a problem-id list (blank and `#` lines skipped)."
+    p = Path(path).expanduser()
+    if not p.is_file(): raise FileNotFoundError(f"--problem-ids {p}: no such file; write one with `tmas data hard-subset ... --out {p}` or by hand, one id per line")
+    ids = [l.strip() for l in p.read_text(encoding='utf-8').splitlines() if l.strip() and not l.lstrip().startswith('#')]
+    if not ids: raise ValueError(f"--problem-ids {p}: the file lists no problem ids")
+    return ids
+
+def select_problems(problems, ids) -> list[Problem]:
+    "The problems whose ids are in `ids`, in the benchmark's order; an unknown id is an error."
+    problems, want = list(problems), list(dict.fromkeys(str(i) for i in ids))
+    have = {p.id for p in problems}
+    unknown = [i for i in want if i not in have]
+    if unknown: raise ValueError(f"problem id list: {len(unknown)} id(s) not in this benchmark, e.g. {unknown[:3]}; check the --benchmark")
+    keep = set(want)
+    return [p for p in problems if p.id in keep]
+
+# %% ../nbs/17_data.ipynb #f6d9322e
+def pick_subset(problems, k: int, seed: int) -> list[Problem]:
+    "`k` problems drawn with `random.Random(seed)`, in the benchmark's order (all of them when there are at most `k`)."
+    problems = list(problems)
+    if k >= len(problems): return problems
+    keep = set(random.Random(seed).sample(range(len(problems)), k))
+    return [p for i, p in enumerate(problems) if i in keep]
+
+async def build_hard_subset(llm, problems, samples: int = 8, threshold: int = 2, k: int = 50, seed: int = 0,
+                            progress: bool = True, **sample_kw) -> tuple[list[str], dict]:
+    "(ids of the hard subset, its record): solve counts of `samples` per problem, those below `threshold`, `k` of them by `seed`."
+    problems = list(problems)
+    counts = await count_solves(llm, problems, samples=samples, progress=progress, seed=seed, **sample_kw)
+    pool = hard_subset(problems, counts, threshold)
+    chosen = pick_subset(pool, k, seed)
+    info = {'samples': samples, 'threshold': threshold, 'k': k, 'seed': seed, 'problems': len(problems),
+            'hard_pool': len(pool), 'chosen': len(chosen), 'solve_counts': counts}
+    return [p.id for p in chosen], info
+
+# %% ../nbs/17_data.ipynb #f9876aa1
+def _cmd_hard_subset(args) -> int:
+    import sys
+    from tmas_nb.llm.core import load_llm, run_sync
+    os.environ.setdefault('HF_HUB_OFFLINE', '1')
+    problems = load_benchmark(args.benchmark)
+    if args.limit is not None: problems = first_k(problems, args.limit)
+    out = Path(args.out)
+    backend = 'openai' if args.model.startswith(('http://', 'https://')) else 'transformers'
+    kw = {'base_url': args.model} if backend == 'openai' else ({'num_threads': args.threads} if args.threads else {})
+    llm = load_llm(args.served_model if backend == 'openai' else args.model, backend,
+                   cache=str(out.with_name(out.name + '.calls.sqlite')), lazy=True, **kw)
+    try:
+        ids, info = run_sync(build_hard_subset(llm, problems, args.samples, args.threshold, args.k, args.seed,
+                                               progress=not args.quiet, temperature=args.temperature, top_p=args.top_p,
+                                               top_k=args.top_k, max_new_tokens=args.max_new_tokens))
+    finally: llm.close() if hasattr(llm, 'close') else None
+    counts = info.pop('solve_counts')
+    write_problem_ids(out, ids, {'made by': 'tmas data hard-subset', 'benchmark': args.benchmark, 'model': args.model, **info,
+                                 'temperature': args.temperature, 'top_p': args.top_p, 'top_k': args.top_k,
+                                 'max_new_tokens': args.max_new_tokens})
+    from tmas_nb.core import atomic_write_json
+    atomic_write_json(out.with_name(out.name + '.counts.json'), counts)
+    print(f"{len(ids)} of {info['hard_pool']} hard problems (fewer than {args.threshold} of {args.samples} correct) "
+          f"among {info['problems']} -> {out}; use it with `tmas run --problem-ids {out}`", file=sys.stderr)
+    return 0
+
+def add_data_cli(data_subparsers):
+    "Add `hard-subset` to the subparsers of the `data` command group."
+    p = data_subparsers.add_parser('hard-subset', help="build a hard subset (TMAS's IMO-AnswerBench-50) as a problem-id list",
+                                   description='Sample --samples solutions per problem from a reference model, keep the '
+                                               'problems with fewer than --threshold correct, pick --k of them with --seed, '
+                                               'and write their ids (one per line, with how they were chosen) to --out.')
+    p.add_argument('--benchmark', default='imo_answerbench', help='a benchmark name or file (default imo_answerbench)')
+    p.add_argument('--model', required=True, help='the reference model (the paper: Qwen3-4B-Thinking-2507): a name, folder, or an OpenAI-compatible URL')
+    p.add_argument('--served-model', dest='served_model', default=None, help='model name on the server (with a URL)')
+    p.add_argument('--samples', type=int, default=8, help='samples per problem (default 8)')
+    p.add_argument('--threshold', type=int, default=2, help='keep problems with fewer correct samples than this (default 2)')
+    p.add_argument('--k', type=int, default=50, help='problems to pick (default 50)')
+    p.add_argument('--seed', type=int, default=0, help='seed of the sampling and the pick; recorded in the file')
+    p.add_argument('--temperature', type=float, default=0.6, help='sampling temperature (default 0.6)')
+    p.add_argument('--top-p', dest='top_p', type=float, default=0.95)
+    p.add_argument('--top-k', dest='top_k', type=int, default=20)
+    p.add_argument('--max-new-tokens', dest='max_new_tokens', type=int, default=4096)
+    p.add_argument('--limit', type=int, default=None, help='only the first N problems (a quick check)')
+    p.add_argument('--threads', type=int, default=None, help='torch CPU threads')
+    p.add_argument('--quiet', action='store_true')
+    p.add_argument('--out', required=True, help='the problem-id list to write')
+    p.set_defaults(func=_cmd_hard_subset)
+    return p
+
+def add_cli(subparsers):
+    "Add `tmas data hard-subset` to the `data` command group of the `tmas` parser."
+    from tmas_nb.fetch import data_subcommands
+    return add_data_cli(data_subcommands(subparsers))

@@ -9,13 +9,13 @@ import multiprocessing.util
 from concurrent.futures import CancelledError, ProcessPoolExecutor, TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, asdict
+from .llm.core import split_thinking, TRUNCATED_NOTE
 
 # %% auto #0
 __all__ = ['MAX_PARTS', 'DEFAULT_TIMEOUT', 'JUDGE_PROMPT', 'JUDGE_MAX_CHARS', 'extract_answer_detail', 'extract_answer',
            'clean_answer', 'answer_kind', 'normalize_text', 'text_equal', 'choice_equal', 'split_parts',
            'math_equal_job', 'start_pool', 'shutdown_pool', 'GradeResult', 'grade_many_detail', 'grade_many',
-           'grade_detail', 'grade', 'is_equivalent', 'parse_verdict', 'judge_messages', 'judge', 'pass_at_1', 'add_cli',
-           'main']
+           'grade_detail', 'grade', 'parse_verdict', 'judge_messages', 'judge', 'pass_at_1', 'add_cli']
 
 # %% ../nbs/16_grading.ipynb #290e9f49
 _BOX_CMD = re.compile(r'\\(?:boxed|fbox)(?![A-Za-z])')
@@ -62,25 +62,29 @@ def _tidy(ans: str) -> str:
         if a.startswith('$') and a.endswith('$') and a.count('$') in (2, 4): a = a.strip('$')
     return a
 
-def extract_answer_detail(text: str | None, finish_reason: str | None = None) -> tuple[str | None, str]:
+def extract_answer_detail(text: str | None, finish_reason: str | None = None,
+                          extract_truncated: bool = False) -> tuple[str | None, str]:
     "The final answer in `text` and the rule that found it: `(answer, method)`; answer is None when there is none."
-    if not text or not text.strip(): return None, 'none'
-    box = _last_box(text)
+    reasoning, body, truncated = split_thinking(text, finish_reason)
+    if (text or '').strip() == TRUNCATED_NOTE or (truncated and not extract_truncated): return None, 'truncated'
+    if truncated and not body.strip(): body = reasoning
+    if not body or not body.strip(): return None, 'none'
+    box = _last_box(body)
     if box is not None:
         ans, method = box
         return (_tidy(ans) or None if ans else None), method
-    if finish_reason == 'length': return None, 'truncated'
-    hits = list(_ANSWER_PHRASE.finditer(text))
+    if truncated: return None, 'truncated'
+    hits = list(_ANSWER_PHRASE.finditer(body))
     if hits:
         ans = _tidy(hits[-1].group(1))
         if ans: return ans, 'answer_line'
-    s = text.strip()
+    s = body.strip()
     if '\n' not in s and len(s) <= 80: return _tidy(s) or None, 'whole_text'
     return None, 'none'
 
-def extract_answer(text: str | None, finish_reason: str | None = None) -> str | None:
+def extract_answer(text: str | None, finish_reason: str | None = None, extract_truncated: bool = False) -> str | None:
     "The final answer in a model output (see `extract_answer_detail` for the rules), or None."
-    return extract_answer_detail(text, finish_reason)[0]
+    return extract_answer_detail(text, finish_reason, extract_truncated)[0]
 
 # %% ../nbs/16_grading.ipynb #20debc79
 def clean_answer(ans) -> str:
@@ -323,10 +327,10 @@ class GradeResult:
     reason: str          # what decided the verdict
     def to_dict(self) -> dict: return asdict(self)
 
-def _prepare(prediction_text, gold, finish_reason):
+def _prepare(prediction_text, gold, finish_reason, extract_truncated=False):
     if gold is None or not str(gold).strip(): raise ValueError(f"grade: the reference answer is empty ({gold!r}); every problem needs an answer")
     g = clean_answer(gold)
-    ans, method = extract_answer_detail(prediction_text, finish_reason)
+    ans, method = extract_answer_detail(prediction_text, finish_reason, extract_truncated)
     kind = answer_kind(g)
     if ans is None: return GradeResult(False, None, method, g, kind, f'no answer ({method})'), None
     if kind == 'choice': return GradeResult(choice_equal(ans, g), ans, method, g, kind, 'choice'), None
@@ -342,34 +346,34 @@ def _strip_unit(pred: str) -> str:
     if m and not _prose_words(m.group(1)) and not re.search(r'[A-Za-z]', m.group(1)): return m.group(1).strip()
     return pred
 
-def grade_many_detail(preds, golds, finish_reasons=None, timeout: float = DEFAULT_TIMEOUT, progress: bool | None = None) -> list[GradeResult]:
+def grade_many_detail(preds, golds, finish_reasons=None, timeout: float = DEFAULT_TIMEOUT, progress: bool | None = None,
+                      extract_truncated: bool = False) -> list[GradeResult]:
     "`GradeResult` for every `(prediction_text, gold)` pair; math comparisons run in parallel in the pool."
     preds, golds = list(preds), list(golds)
     if len(preds) != len(golds): raise ValueError(f"grade_many: {len(preds)} predictions but {len(golds)} reference answers")
     frs = [None] * len(preds) if finish_reasons is None else list(finish_reasons)
     if len(frs) != len(preds): raise ValueError(f"grade_many: {len(frs)} finish reasons for {len(preds)} predictions")
-    prepared = [_prepare(p, g, f) for p, g, f in zip(preds, golds, frs)]
+    prepared = [_prepare(p, g, f, extract_truncated) for p, g, f in zip(preds, golds, frs)]
     idx = [i for i, (_, job) in enumerate(prepared) if job is not None]
     out = _run_math_jobs([prepared[i][1] for i in idx], timeout, progress=len(idx) >= 200 if progress is None else progress)
     results = [r for r, _ in prepared]
     for i, (ok, why) in zip(idx, out): results[i].correct, results[i].reason = ok, why
     return results
 
-def grade_many(preds, golds, finish_reasons=None, timeout: float = DEFAULT_TIMEOUT, progress: bool | None = None) -> list[bool]:
+def grade_many(preds, golds, finish_reasons=None, timeout: float = DEFAULT_TIMEOUT, progress: bool | None = None,
+               extract_truncated: bool = False) -> list[bool]:
     "Whether each prediction text answers its reference answer correctly (in parallel)."
-    return [r.correct for r in grade_many_detail(preds, golds, finish_reasons, timeout, progress)]
+    return [r.correct for r in grade_many_detail(preds, golds, finish_reasons, timeout, progress, extract_truncated)]
 
-def grade_detail(prediction_text: str, gold: str, finish_reason: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> GradeResult:
+def grade_detail(prediction_text: str, gold: str, finish_reason: str | None = None, timeout: float = DEFAULT_TIMEOUT,
+                 extract_truncated: bool = False) -> GradeResult:
     "The `GradeResult` of one prediction text against its reference answer."
-    return grade_many_detail([prediction_text], [gold], [finish_reason], timeout, progress=False)[0]
+    return grade_many_detail([prediction_text], [gold], [finish_reason], timeout, progress=False, extract_truncated=extract_truncated)[0]
 
-def grade(prediction_text: str, gold: str, finish_reason: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> bool:
+def grade(prediction_text: str, gold: str, finish_reason: str | None = None, timeout: float = DEFAULT_TIMEOUT,
+          extract_truncated: bool = False) -> bool:
     "Whether `prediction_text` (a model output) gives the reference answer `gold`."
-    return grade_detail(prediction_text, gold, finish_reason, timeout).correct
-
-def is_equivalent(answer: str, gold: str, timeout: float = DEFAULT_TIMEOUT) -> bool:
-    "Whether two bare answers are equivalent (no extraction: `answer` is taken whole)."
-    return grade(r'\boxed{' + str(answer) + '}', gold, timeout=timeout)
+    return grade_detail(prediction_text, gold, finish_reason, timeout, extract_truncated).correct
 
 # %% ../nbs/16_grading.ipynb #b7d65794
 JUDGE_PROMPT = """You are checking a student's solution to a math problem against the reference answer.
@@ -393,7 +397,7 @@ JUDGE_MAX_CHARS = 3000
 def parse_verdict(reply: str | None) -> bool | None:
     "The verdict in a judge's reply: True, False, or None when it gave none."
     if not reply: return None
-    text = reply.split('</think>')[-1]
+    text = split_thinking(reply).response
     hits = re.findall(r'\b(incorrect|not\s+correct|correct|wrong)\b', text, flags=re.IGNORECASE)
     if hits: return hits[-1].lower() == 'correct'
     word = re.sub(r'[^a-z]', '', text.strip().lower())
@@ -441,9 +445,8 @@ def pass_at_1(correct) -> float:
 # %% ../nbs/16_grading.ipynb #920aa355
 def _cmd_grade(args) -> int:
     pred = sys.stdin.read() if args.pred == '-' else args.pred
-    try: r = grade_detail(pred, args.gold, finish_reason=args.finish_reason, timeout=args.timeout)
-    except ValueError as e:
-        print(f"tmas grade: {e}", file=sys.stderr); return 2
+    r = grade_detail(pred, args.gold, finish_reason=args.finish_reason, timeout=args.timeout,
+                     extract_truncated=args.answer_from_truncated)
     print(json.dumps(r.to_dict(), ensure_ascii=False) if args.json else ('true' if r.correct else 'false'))
     return 0
 
@@ -454,15 +457,11 @@ def add_cli(subparsers):
                                           '"answer is" line) and compare it with the reference answer.')
     p.add_argument('--gold', required=True, help='the reference answer, e.g. "$\\frac{1}{2}$"')
     p.add_argument('--pred', required=True, help="the prediction text (a model output), or '-' to read it from stdin")
-    p.add_argument('--finish-reason', default=None, choices=['stop', 'length'], help="'length' marks a truncated output")
+    p.add_argument('--finish-reason', default=None, choices=['stop', 'length'],
+                   help="'length' marks an output cut off by the token limit: it has no answer")
+    p.add_argument('--answer-from-truncated', action='store_true',
+                   help="read the last finished \\boxed{} of a truncated output anyway (the older, lenient rule)")
     p.add_argument('--timeout', type=float, default=DEFAULT_TIMEOUT, help='seconds allowed for one comparison')
     p.add_argument('--json', action='store_true', help='print the full verdict as JSON')
     p.set_defaults(func=_cmd_grade)
     return p
-
-def main(argv=None) -> int:
-    "Run `grade` as the `tmas` command would: `main(['grade', '--gold', '2', '--pred', '\\\\boxed{2}'])`."
-    parser = argparse.ArgumentParser(prog='tmas')
-    add_cli(parser.add_subparsers(dest='command', required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)

@@ -16,7 +16,7 @@ from .core import atomic_write_json
 # %% auto #0
 __all__ = ['TMAS_DEDUP_THRESHOLD', 'RSE_DEDUP_THRESHOLD', 'MINILM_PACKAGE', 'MINILM_REQUIREMENT', 'Embedder', 'minilm_dir',
            'load_minilm', 'MiniLMEmbedder', 'default_embedder', 'HashingEmbedder', 'MemoryItem', 'MergeRecord',
-           'as_item', 'deduplicate', 'BankUpdate', 'ExperienceBank', 'RSEBank', 'UpdateEvent', 'GuidelineBank']
+           'as_item', 'deduplicate', 'admit', 'BankUpdate', 'ExperienceBank', 'RSEBank', 'UpdateEvent', 'GuidelineBank']
 
 # %% ../nbs/22_memory.ipynb #85941a01
 _logger = logging.getLogger(__name__)
@@ -163,6 +163,34 @@ def deduplicate(items: Iterable[Any], tau: float, embedder: Embedder | None = No
         heads.append(i)
     return [order[h] for h in heads], log
 
+# %% ../nbs/22_memory.ipynb #794e37f2
+def admit(bank: Sequence[MemoryItem], new: Iterable[Any], tau: float, embedder: Embedder | None = None,
+          round: int | None = None) -> tuple[list[MemoryItem], list[MergeRecord]]:
+    "Incremental greedy de-duplication: `bank` stays as it is; each new item merges into an admitted one or is appended."
+    heads = list(bank)
+    items = [as_item(x, round, where=f'item {i}') for i, x in enumerate(new)]
+    items = [it for it in items if it.text]
+    keys, log, vecs = [_key(h.text) for h in heads], [], None
+    for it in items:
+        k = _key(it.text)
+        j = next((j for j, hk in enumerate(keys) if k == hk), None)
+        reason, sim = ('exact', 1.0) if j is not None else (None, None)
+        if j is None:
+            j = next((j for j, hk in enumerate(keys) if k in hk), None)
+            if j is not None: reason = 'substring'
+        if j is None and heads:
+            if vecs is None:
+                allv = _normalise_rows((embedder or default_embedder())([h.text for h in heads] + [x.text for x in items]))
+                vecs, pending = list(allv[:len(heads)]), {id(x): v for x, v in zip(items, allv[len(heads):])}
+            sims = np.stack(vecs) @ pending[id(it)]
+            best = int(np.argmax(sims))
+            if float(sims[best]) > tau: j, reason, sim = best, 'similarity', _rounded(float(sims[best]))
+        if j is not None:
+            log.append(MergeRecord(it.text, it.round, heads[j].text, heads[j].round, reason, sim)); continue
+        heads.append(it); keys.append(k)
+        if vecs is not None: vecs.append(pending[id(it)])
+    return heads, log
+
 # %% ../nbs/22_memory.ipynb #1d64c894
 @dataclass
 class BankUpdate:
@@ -226,9 +254,8 @@ class _DedupBank:
             old_by_key = {_key(o.text): o for o in old}
             if replace:
                 pool = [MemoryItem(g.text, old_by_key[_key(g.text)].round) if _key(g.text) in old_by_key else g for g in given]
-            else:
-                pool = old + given
-            kept, merges = deduplicate(pool, self.tau, self.embedder)
+                kept, merges = deduplicate(pool, self.tau, self.embedder)
+            else: kept, merges = admit(old, given, self.tau, self.embedder)
             kept_keys = {_key(k.text) for k in kept}
             ev.added[name] = [k.text for k in kept if _key(k.text) not in old_by_key]
             ev.merged[name] = merges
@@ -299,10 +326,6 @@ class RSEBank(_DedupBank):
                replace: bool = False) -> BankUpdate:
         "Merge new propositions and pitfalls (or, with `replace`, make them the contents) and de-duplicate."
         return self._update(round, {'propositions': propositions, 'pitfalls': pitfalls}, replace)
-
-    def update_from_agent(self, answer: dict, round: int = 0, replace: bool = False) -> BankUpdate:
-        "Update from a distillation JSON (`verified_propositions`, `critical_pitfalls`)."
-        return self.update(answer.get('verified_propositions') or [], answer.get('critical_pitfalls') or [], round, replace)
 
 # %% ../nbs/22_memory.ipynb #61fd0ffc
 @dataclass

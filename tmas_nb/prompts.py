@@ -8,6 +8,8 @@ import ast, json, random, re
 from fractions import Fraction
 from typing import Any, Iterable, Mapping, Sequence
 
+from .llm.core import split_thinking, TRUNCATED_NOTE
+
 # %% auto #0
 __all__ = ['SOLVER_SYSTEM', 'REVIEWER_SYSTEM', 'SOLUTION_PROMPT', 'REFINE_PROMPT', 'ROLLOUTS_BLOCK', 'ROLLOUT_ITEM',
            'EXPERIENCE_BLOCK', 'GUIDELINES_BLOCK', 'VERIFICATION_PROMPT', 'SUMMARY_PROMPT', 'SUMMARY_REVIEW_ITEM',
@@ -253,11 +255,8 @@ def get_templates(templates: Mapping[str, str] | None = None) -> dict[str, str]:
 
 # %% ../nbs/20_prompts.ipynb #bbca486d
 def strip_thinking(text: str | None) -> str:
-    "The part of a response after its `</think>`; '' when the response stops inside an unclosed `<think>`."
-    if not text: return ''
-    if '</think>' in text: return text.rsplit('</think>', 1)[1].strip()
-    if '<think>' in text: return ''
-    return text.strip()
+    "The final response of an output (`split_thinking`); '' when it stops inside an unclosed `<think>`."
+    return split_thinking(text).response.strip()
 
 def _get(obj: Any, key: str, default: Any = None) -> Any:
     "`obj[key]` for mappings, `obj.key` otherwise, or `default`."

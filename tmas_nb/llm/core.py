@@ -7,10 +7,11 @@ from __future__ import annotations
 import asyncio, copy, json, threading, time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, asdict, fields
+from typing import NamedTuple
 
 # %% auto #0
-__all__ = ['THINK_OPEN', 'THINK_CLOSE', 'FINISH_REASONS', 'BACKENDS', 'Request', 'split_reasoning', 'Completion', 'TokenUsage',
-           'run_sync', 'LLM', 'LazyLLM', 'load_llm']
+__all__ = ['THINK_OPEN', 'THINK_CLOSE', 'TRUNCATED_NOTE', 'BACKENDS', 'Request', 'ThinkingSplit', 'split_thinking',
+           'split_reasoning', 'Completion', 'TokenUsage', 'run_sync', 'LLM', 'LazyLLM', 'load_llm', 'engine_stats']
 
 # %% ../../nbs/10_llm_core.ipynb #1ade0527
 _CHAT_ROLES = ('system', 'user', 'assistant', 'tool', 'developer')
@@ -83,19 +84,31 @@ class Request:
 # %% ../../nbs/10_llm_core.ipynb #0bf7d804
 THINK_OPEN, THINK_CLOSE = '<think>', '</think>'
 
+class ThinkingSplit(NamedTuple):
+    "A model output as `(reasoning, response, truncated)`; `truncated` marks an output cut off by the token limit."
+    reasoning: str
+    response: str
+    truncated: bool = False
+
+def split_thinking(text: str | None, finish_reason: str | None = None, opens_in_prompt: bool = False) -> ThinkingSplit:
+    "Split a model output at its last `</think>` into reasoning and final response, and say whether it was cut off."
+    text, truncated = text or '', finish_reason == 'length'
+    if THINK_CLOSE in text:
+        i = text.rfind(THINK_CLOSE)
+        reasoning = text[:i].strip()
+        if reasoning.startswith(THINK_OPEN): reasoning = reasoning[len(THINK_OPEN):].strip()
+        return ThinkingSplit(reasoning, text[i + len(THINK_CLOSE):].strip(), truncated)
+    if text.lstrip().startswith(THINK_OPEN): return ThinkingSplit(text.lstrip()[len(THINK_OPEN):].strip(), '', truncated)
+    if opens_in_prompt: return ThinkingSplit(text.strip(), '', truncated)
+    return ThinkingSplit('', text, truncated)
+
+# %% ../../nbs/10_llm_core.ipynb #d5e067d4
 def split_reasoning(raw: str) -> tuple[str, str]:
-    "Split a model output into `(reasoning, text)` at the last `</think>`."
-    if THINK_CLOSE in raw:
-        i = raw.rfind(THINK_CLOSE)
-        reasoning, text = raw[:i], raw[i + len(THINK_CLOSE):]
-        reasoning = reasoning.strip()
-        if reasoning.startswith(THINK_OPEN): reasoning = reasoning[len(THINK_OPEN):]
-        return reasoning.strip(), text.strip()
-    if raw.lstrip().startswith(THINK_OPEN): return raw.lstrip()[len(THINK_OPEN):].strip(), ''
-    return '', raw
+    "`(reasoning, response)` of `split_thinking(raw)`, for callers that do not need the truncation flag."
+    return tuple(split_thinking(raw)[:2])
 
 # %% ../../nbs/10_llm_core.ipynb #46bbc65d
-FINISH_REASONS = ('stop', 'length')
+TRUNCATED_NOTE = '[This candidate was cut off by the token limit and has no final answer]'
 
 @dataclass
 class Completion:
@@ -110,10 +123,20 @@ class Completion:
     cached: bool = False
 
     @classmethod
-    def from_raw(cls, raw: str, **kw) -> Completion:
-        "A completion whose `reasoning` and `text` are split out of `raw`."
-        reasoning, text = split_reasoning(raw)
+    def from_raw(cls, raw: str, opens_in_prompt: bool = False, **kw) -> Completion:
+        "A completion whose `reasoning` and `text` are split out of `raw` (see `split_thinking`)."
+        reasoning, text, _ = split_thinking(raw, kw.get('finish_reason'), opens_in_prompt)
         return cls(text=text, reasoning=reasoning, raw=raw, **kw)
+
+    @property
+    def truncated(self) -> bool:
+        "Whether the sample was cut off by the token limit (and so has no final answer)."
+        return self.finish_reason == 'length'
+
+    @property
+    def final_response(self) -> str:
+        "What other agents are shown: the response, or `TRUNCATED_NOTE` when the sample was cut off."
+        return TRUNCATED_NOTE if self.truncated else self.text
 
     def to_dict(self) -> dict: return asdict(self)
 
@@ -235,7 +258,7 @@ class LLM(ABC):
     def __repr__(self): return f"{type(self).__name__}({self.model_id!r})"
 
 # %% ../../nbs/10_llm_core.ipynb #35808ae9
-BACKENDS = ('transformers', 'openai')
+BACKENDS = ('transformers', 'openai', 'llama.cpp')
 
 class LazyLLM(LLM):
     "An `LLM` whose backend is built by `factory()` when the first request arrives."
@@ -261,6 +284,7 @@ class LazyLLM(LLM):
 def load_llm(model: str = 'default', backend: str = 'transformers', cache: str | None = None, lazy: bool = False,
              **kw) -> LLM:
     "Build an `LLM` for `model` on `backend`; keyword arguments go to the backend's constructor."
+    if backend == 'transformers' and model.startswith('llama.cpp:'): backend, model = 'llama.cpp', model.split(':', 1)[1]
     if backend == 'transformers':
         from tmas_nb.llm.transformers_backend import TransformersBackend
         if lazy:
@@ -270,9 +294,22 @@ def load_llm(model: str = 'default', backend: str = 'transformers', cache: str |
     elif backend == 'openai':
         from tmas_nb.llm.openai_backend import OpenAIBackend
         llm = OpenAIBackend(model, **kw)
+    elif backend == 'llama.cpp':   # a packaged GGUF model in its own llama-server process
+        from tmas_nb.llm.llamacpp import LlamaCppBackend
+        llm = LlamaCppBackend(model, **kw)
     else:
         raise ValueError(f"load_llm: unknown backend {backend!r}; use one of {BACKENDS}")
     if cache is not None:
         from tmas_nb.llm.cache import CachedLLM
         llm = CachedLLM(llm, cache)
     return llm
+
+# %% ../../nbs/10_llm_core.ipynb #4d6cdae4
+def engine_stats(llm: LLM) -> dict:
+    "The `stats` of the backend inside `llm` (through caches and wrappers): engines used and their fallbacks; {} when none."
+    seen = set()
+    while llm is not None and id(llm) not in seen:
+        seen.add(id(llm))
+        if isinstance(getattr(llm, 'stats', None), dict): return copy.deepcopy(llm.stats)
+        llm = getattr(llm, 'backend', None) or getattr(llm, 'llm', None)
+    return {}

@@ -4,25 +4,45 @@
 
 # %% ../../nbs/12_llm_transformers.ipynb #10db6847
 from __future__ import annotations
-import asyncio, concurrent.futures, json, os, queue, threading, time
+import asyncio, concurrent.futures, json, logging, os, queue, threading, time
 from dataclasses import dataclass, field
-from .core import LLM, Request, Completion
+from .core import LLM, Request, Completion, THINK_OPEN, THINK_CLOSE
 from .models import load_model_and_tokenizer, canonical_model_name
 
 # %% auto #0
-__all__ = ['chat_prompt_ids', 'end_token_ids', 'finish_sequence', 'generation_config', 'row_seed', 'row_sampler',
-           'hf_generate_batch', 'decode_rows', 'stop_string_check', 'generate_batch', 'naive_generate',
-           'continuous_generate', 'TransformersBackend']
+__all__ = ['chat_prompt_ids', 'template_opens_thinking', 'end_token_ids', 'finish_sequence', 'generation_config', 'row_seed',
+           'row_sampler', 'hf_generate_batch', 'decode_rows', 'stop_string_check', 'generate_batch', 'naive_generate',
+           'continuous_generate', 'TransformersBackend', 'tiny_random_model']
 
 # %% ../../nbs/12_llm_transformers.ipynb #245c397d
+def _template_kwargs(tok, enable_thinking: bool | None) -> dict:
+    "`enable_thinking` for templates that know it (Qwen3-style); other templates would ignore it or fail."
+    if enable_thinking is not None and 'enable_thinking' in (getattr(tok, 'chat_template', None) or ''):
+        return {'enable_thinking': enable_thinking}
+    return {}
+
 def chat_prompt_ids(tok, request: Request) -> list[int]:
     "Token ids of `request.messages` through the chat template, ready for generation."
-    kw = {}
-    if request.enable_thinking is not None and 'enable_thinking' in (getattr(tok, 'chat_template', None) or ''):
-        kw['enable_thinking'] = request.enable_thinking
-    enc = tok.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=True, return_dict=True, **kw)
+    enc = tok.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                  **_template_kwargs(tok, request.enable_thinking))
     ids = enc['input_ids']
     return list(ids[0] if ids and isinstance(ids[0], list) else ids)
+
+_OPENS_CACHE: dict = {}
+
+def template_opens_thinking(tok, enable_thinking: bool | None = None) -> bool:
+    "Whether the chat template opens a `<think>` block in the generation prompt (outputs then hold only `... </think> answer`)."
+    template = getattr(tok, 'chat_template', None)
+    if not isinstance(template, str) or THINK_OPEN not in template: return False
+    key = (id(tok), template, enable_thinking)
+    if key not in _OPENS_CACHE:
+        probe = 'tmas-template-probe'
+        try: text = tok.apply_chat_template([{'role': 'user', 'content': probe}], add_generation_prompt=True, tokenize=False,
+                                            **_template_kwargs(tok, enable_thinking))
+        except Exception: text = ''
+        tail = text[text.rfind(probe) + len(probe):] if probe in text else ''
+        _OPENS_CACHE[key] = tail.rfind(THINK_OPEN) > tail.rfind(THINK_CLOSE)
+    return _OPENS_CACHE[key]
 
 def end_token_ids(model, tok) -> set[int]:
     "Token ids that end a generated sample: the EOS ids of model and tokenizer, and the padding id."
@@ -46,8 +66,8 @@ def finish_sequence(tok, gen_ids: list[int], request: Request, prompt_tokens: in
         raw, n_tok, reason = raw[:pos], k, 'stop'
     elif end is not None: n_tok, reason = end + 1, 'stop'
     else: n_tok, reason = len(gen_ids), 'length'
-    return Completion.from_raw(raw, finish_reason=reason, prompt_tokens=prompt_tokens, completion_tokens=n_tok,
-                               latency_s=latency_s)
+    return Completion.from_raw(raw, opens_in_prompt=template_opens_thinking(tok, request.enable_thinking), finish_reason=reason,
+                               prompt_tokens=prompt_tokens, completion_tokens=n_tok, latency_s=latency_s)
 
 # %% ../../nbs/12_llm_transformers.ipynb #3c79d8ea
 def generation_config(request: Request, n: int, tok, model):
@@ -264,7 +284,9 @@ def continuous_generate(model, tok, requests: list[Request], prompts: list[list[
     "Like `generate_batch`, through transformers' continuous batching (`model.generate_batch`)."
     import torch
     r0 = requests[0]; n = n or r0.n
-    if r0.seed is not None: torch.manual_seed(r0.seed)
+    if r0.temperature > 0 and any(r.seed is not None for r in requests):
+        raise ValueError("continuous_generate: transformers' continuous batching draws every row from one generator, so a "
+                         "request's seed would not hold; run seeded sampling through generate_batch")
     gc = generation_config(r0, n, tok, model)
     if gc.do_sample:   # no per-row sampler on this path: let transformers warp and draw
         gc.temperature, gc.top_p, gc.top_k = float(r0.temperature), float(r0.top_p), r0.top_k or 0
@@ -292,6 +314,8 @@ class _Job:
     prompt: list[int] = None
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
+_log = logging.getLogger(__name__)
+
 class TransformersBackend(LLM):
     "An `LLM` running a transformers model in this process, batching concurrent requests."
     def __init__(self, model: str = 'default', device: str | None = None, dtype=None, max_batch_size: int = 64,
@@ -311,7 +335,9 @@ class TransformersBackend(LLM):
         self.requested_engine = engine
         self._use_continuous = engine == 'continuous' or (engine == 'auto' and on_gpu and hasattr(self.model, 'generate_batch'))
         self.engine = 'continuous' if self._use_continuous else 'generate' if engine == 'generate' else 'batched'
+        self.opens_thinking = template_opens_thinking(self.tokenizer)
         self.batches_run, self.sequences_run = 0, 0
+        self.stats = {'batches_by_engine': {}, 'engine_fallbacks': []}
         self._queue, self._thread, self._lock = queue.Queue(), None, threading.Lock()
 
     def _ensure_worker(self):
@@ -361,17 +387,28 @@ class TransformersBackend(LLM):
             batches += [g[i:i + per] for i in range(0, len(g), per)]
         return batches
 
+    def engine_for(self, requests: list[Request]) -> str:
+        "The engine that runs a batch: continuous batching only for what it can do exactly (greedy or unseeded sampling)."
+        seeded = requests[0].temperature > 0 and any(r.seed is not None for r in requests)
+        if self._use_continuous and not seeded: return 'continuous'
+        return 'generate' if self.requested_engine == 'generate' else 'batched'
+
     def _run_batch(self, batch: list[_Job]):
         reqs, prompts, n = [j.request for j in batch], [j.prompt for j in batch], batch[0].n
-        if self._use_continuous:
-            try:
-                res = continuous_generate(self.model, self.tokenizer, reqs, prompts, n); self.engine = 'continuous'
-            except Exception:
+        engine = self.engine_for(reqs)
+        if engine == 'continuous':
+            try: res = continuous_generate(self.model, self.tokenizer, reqs, prompts, n)
+            except Exception as e:   # noted, logged, and never tried again by this backend
                 self._use_continuous = False
-        if not self._use_continuous and self.requested_engine == 'generate':
-            res = hf_generate_batch(self.model, self.tokenizer, reqs, prompts, n); self.engine = 'generate'
-        elif not self._use_continuous:
-            res = generate_batch(self.model, self.tokenizer, reqs, prompts, n); self.engine = 'batched'
+                engine = self.engine_for(reqs)
+                note = {'engine': 'continuous', 'instead': engine, 'error': f'{type(e).__name__}: {e}'[:500],
+                        'requests': len(reqs), 'time': time.strftime('%Y-%m-%dT%H:%M:%S')}
+                self.stats['engine_fallbacks'].append(note)
+                _log.warning("continuous batching failed (%s); this backend uses %r from now on", note['error'], engine)
+        if engine == 'generate': res = hf_generate_batch(self.model, self.tokenizer, reqs, prompts, n)
+        elif engine == 'batched': res = generate_batch(self.model, self.tokenizer, reqs, prompts, n)
+        self.engine = engine
+        by = self.stats['batches_by_engine']; by[engine] = by.get(engine, 0) + 1
         self.batches_run += 1; self.sequences_run += sum(len(r) for r in res)
         return res
 
@@ -397,3 +434,14 @@ class TransformersBackend(LLM):
             self._queue.put(None); self._thread.join(timeout=60)
         self._thread = None
         self.model = None
+
+# %% ../../nbs/12_llm_transformers.ipynb #4332a619
+def tiny_random_model(tok, layers: int = 2, hidden: int = 64, seed: int = 0):
+    "A small randomly initialised Llama-style model for `tok`'s vocabulary (for tests of the generation code)."
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True,
+                      eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
+    return LlamaForCausalLM(cfg).eval()

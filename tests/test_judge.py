@@ -1,0 +1,56 @@
+"""`tmas judge` on a real run folder: a tiny sampling run recorded with the packaged SmolLM2-135M, judged twice per
+candidate by the same packaged model; the columns, judge.json, the Pass@1 over judge runs and a resumed judging that
+costs no model call."""
+import json
+import os
+import subprocess
+import sys
+
+import pyarrow.parquet as pq
+import pytest
+
+ENV = {**os.environ, 'HF_HUB_OFFLINE': '1', 'OMP_NUM_THREADS': '1', 'TOKENIZERS_PARALLELISM': 'false'}
+
+
+def tmas(*args, timeout=1500):
+    r = subprocess.run([sys.executable, '-m', 'tmas_nb.cli', *args], env=ENV, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+@pytest.fixture(scope='module')
+def judged_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp('judge') / 'run'
+    tmas('run', '--method', 'sampling', '--benchmark', 'demo', '--model', 'smollm2', '--limit', '2', '--n-candidates', '2',
+         '--max-new-tokens', '80', '--threads', '1', '--quiet', '--out', str(d))
+    first = tmas('judge', str(d), '--judge', 'smollm2', '--runs', '2', '--max-new-tokens', '6', '--threads', '1', '--quiet')
+    return d, first
+
+
+def test_judge_writes_columns_and_pass_at_1_over_judge_runs(judged_run):
+    d, first = judged_run
+    t = pq.read_table(d / 'records.parquet').to_pandas()
+    assert [c for c in t.columns if c.startswith('correct_judge')] == ['correct_judge0', 'correct_judge1']
+    meta = json.loads((d / 'judge.json').read_text())
+    assert meta['runs'] == 2 and meta['judge'] == 'smollm2' and meta['judged_candidates'] + meta['rule_based_candidates'] == len(t)
+    assert meta['judged_candidates'] >= 1     # 80 tokens: a seeded candidate of demo-01 finishes in 70 (a cut-off one has no answer to judge)
+    expected = t.groupby('problem_id')[['correct_judge0', 'correct_judge1']].mean().mean().mean()
+    assert meta['pass_at_1']['0'] == pytest.approx(expected)
+    from tmas_nb.analysis import read_run, pass_at_1_table
+    long = pass_at_1_table([read_run(d)])
+    assert long.pass_at_1.iloc[0] == pytest.approx(expected)
+    assert long.grading.iloc[0] == 'LLM judge smollm2, mean of 2 runs'
+    summary = json.loads(tmas('runs', 'summary', str(d), '--json').stdout)      # the CLI reads the judged Pass@1 too
+    assert summary['iterations'][0]['pass_at_1'] == pytest.approx(expected)
+    assert summary['iterations'][0]['judges'] == 2 and summary['grading'] == 'LLM judge smollm2, mean of 2 runs'
+    assert 'LLM judge smollm2' in first.stdout
+
+
+def test_judging_again_is_served_from_the_cache(judged_run):
+    d, _ = judged_run
+    before = pq.read_table(d / 'records.parquet').to_pandas()
+    tmas('judge', str(d), '--judge', 'smollm2', '--runs', '2', '--max-new-tokens', '6', '--threads', '1', '--quiet')
+    meta = json.loads((d / 'judge.json').read_text())
+    assert meta['cache']['misses'] == 0 and meta['cache']['hits'] == 2 * meta['judged_candidates']
+    after = pq.read_table(d / 'records.parquet').to_pandas()
+    assert before.correct_judge0.tolist() == after.correct_judge0.tolist()
