@@ -38,7 +38,6 @@ setuptools.setup(
     python_requires='>=' + cfg['min_python'],
     packages=setuptools.find_packages(include=[cfg['lib_name'], cfg['lib_name'] + '.*']),
     include_package_data=True,
-    package_data={cfg['lib_name']: ['data/*', 'data/**/*']},
     install_requires=requirements,
     extras_require={'dev': dev_requirements},
     entry_points={

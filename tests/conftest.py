@@ -8,11 +8,40 @@ import pytest
 
 from tmas_nb.core import find_data_dir, DATA_HINT
 
+ALLOW_NO_DATA = 'TMAS_ALLOW_NO_DATA'
+
 
 @pytest.fixture(scope='session')
 def data_root():
-    """The data folder; tests that need it skip only when no data folder exists at all."""
+    """The data folder. A test that needs it fails when it is missing, unless TMAS_ALLOW_NO_DATA=1 (then it skips, saying why)."""
     root = find_data_dir()
     if root is None:
-        pytest.skip(f"no data folder: {DATA_HINT}")
+        if os.environ.get(ALLOW_NO_DATA, '') not in ('', '0'):
+            pytest.skip(f"no data folder and {ALLOW_NO_DATA}=1: {DATA_HINT}")
+        pytest.fail(f"no data folder: {DATA_HINT} (set {ALLOW_NO_DATA}=1 to skip the tests that need it)", pytrace=False)
     return root
+
+
+# Tests marked `slow` (minutes each: real llama.cpp servers) run only with `--runslow` or TMAS_SLOW=1;
+# otherwise they are reported as skipped, with how to run them.
+SLOW = 'TMAS_SLOW'
+
+
+def pytest_addoption(parser):
+    parser.addoption('--runslow', action='store_true', default=False, help=f'also run tests marked slow (or set {SLOW}=1)')
+
+
+def pytest_configure(config):
+    config.addinivalue_line('markers', f'slow: minutes-long tests (real llama.cpp servers); run with --runslow or {SLOW}=1')
+    # no silent skips: every skipped test is listed with its reason in the summary, even under -q
+    if 's' not in config.option.reportchars and 'a' not in config.option.reportchars:
+        config.option.reportchars += 's'
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption('--runslow') or os.environ.get(SLOW, '') not in ('', '0'):
+        return
+    skip = pytest.mark.skip(reason=f'slow test, not run by default: pass --runslow or set {SLOW}=1 to run it')
+    for item in items:
+        if 'slow' in item.keywords:
+            item.add_marker(skip)

@@ -3,7 +3,6 @@ import asyncio, collections, json
 
 import pytest
 
-from tmas_nb.core import data_dir
 from tmas_nb.data import (Problem, ProblemFileError, load_problems, load_imo_answerbench, load_hmmt, load_jsonl_problems,
                           load_benchmark, demo_problems, DEMO_PROBLEMS, first_k, stratified, hard_subset, count_solves, BENCHMARKS)
 from tmas_nb.grading import answer_kind, grade, shutdown_pool
@@ -15,7 +14,7 @@ def _pool():
     shutdown_pool()
 
 
-def test_imo_answerbench_real_file():
+def test_imo_answerbench_real_file(data_root):
     ps = load_imo_answerbench()
     assert len(ps) == 400 and len({p.id for p in ps}) == 400
     cats = collections.Counter(p.meta['Category'] for p in ps)
@@ -34,13 +33,13 @@ def test_imo_answerbench_real_file():
     assert load_benchmark('imo_answerbench') == ps
 
 
-def test_hmmt_real_files():
+def test_hmmt_real_files(data_root):
     for name in ('hmmt24', 'hmmt25'):
         ps = load_hmmt(name)
         assert len(ps) == 30 and [p.id for p in ps] == [str(i) for i in range(1, 31)]
         assert all(p.meta['benchmark'] == name for p in ps)
         assert load_benchmark(name) == ps
-        assert load_jsonl_problems(data_dir() / 'benchmarks' / f'{name}.jsonl') == ps
+        assert load_jsonl_problems(data_root / 'benchmarks' / f'{name}.jsonl') == ps
     assert load_hmmt('hmmt24')[4].answer == r'-\dfrac{13}{96}, \dfrac{13}{40}'
 
 
@@ -110,7 +109,7 @@ def test_problem_is_frozen_and_round_trips():
     assert Problem.from_dict(json.loads(json.dumps(p.to_dict()))) == p
 
 
-def test_subsets_on_imo():
+def test_subsets_on_imo(data_root):
     ps = load_imo_answerbench()
     assert first_k(ps, 5) == ps[:5]
     s = stratified(ps, 40, by='Category', seed=0)

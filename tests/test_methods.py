@@ -18,47 +18,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from tmas_nb.data import demo_problems
-from tmas_nb.llm.core import LLM, Completion
 from tmas_nb.methods import (METHODS, RECORD_COLUMNS, BaselineConfig, RSEConfig, TMASConfig, read_checkpoints,
                              run_method)
-from tmas_nb.runs import RunConfigMismatch, load_run, main, record_schema, start_run
+from tmas_nb.cli import main
+from tmas_nb.runs import RunConfigMismatch, load_run, record_schema, start_run
+
+from helpers import REPLIES, ScriptedLLM
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-class ScriptedLLM(LLM):
-    """Control-flow tests only: answers each role from `replies[role]` (a string, or a function of
-    (request, call number of that role)) and records every request."""
-
-    def __init__(self, replies):
-        super().__init__('scripted')
-        self.replies, self.requests, self.calls = replies, [], Counter()
-
-    async def _generate(self, requests):
-        out = []
-        for r in requests:
-            self.requests.append(r)
-            k = self.calls[r.role]
-            self.calls[r.role] += 1
-            rep = self.replies[r.role]
-            texts = [rep(r, k) if callable(rep) else rep for _ in range(r.n)]
-            texts = [t[i] if isinstance(t, list) else t for i, t in enumerate(texts)]
-            out.append([Completion.from_raw(t, completion_tokens=len(t.split()), prompt_tokens=10) for t in texts])
-        return out
-
-    def by_role(self, role):
-        return [r for r in self.requests if r.role == role]
-
-
-REPLIES = {
-    'solution': r'Six sevens make 42, so the answer is \boxed{42}.',
-    'verification': r'Every step holds. Score: \boxed{1}',
-    'summary': 'Direct multiplication; the reviewers confirm 42.',
-    'experience': '{"verified_anchors": ["6 times 7 is 42"], "error_avoidance_heuristics": ["do not add 6 and 7"]}',
-    'guideline': '{"updated_guidelines": ["compute the product directly"]}',
-    'distillation': '{"verified_propositions": ["6 times 7 is 42"], "critical_pitfalls": ["adding instead of multiplying"]}',
-    'refine': r'Checked again: \boxed{42}',
-}
 PROBLEMS = demo_problems()[:2]
 
 
@@ -248,7 +215,7 @@ def test_a_different_config_on_the_same_folder_is_refused(tmp_path):
 # ------------------------------------------------------------------ the real model: kill, resume, compare
 
 def tmas_command(out, cfg):
-    return [sys.executable, '-m', 'tmas_nb.runs', 'run', '--method', 'tmas', '--benchmark', 'demo', '--limit', '2',
+    return [sys.executable, '-m', 'tmas_nb.cli', 'run', '--method', 'tmas', '--benchmark', 'demo', '--limit', '2',
             '--model', 'smollm2', '--n-candidates', '2', '--n-verifications', '2', '--iterations', '2',
             '--max-new-tokens', '12', '--seed', '11', '--threads', '1', '--concurrency', '2', '--quiet',
             '--config', str(cfg), '--out', str(out)]
@@ -350,7 +317,7 @@ def test_real_model_run_killed_and_resumed_equals_an_uninterrupted_run(tmp_path)
                                                  'model_loaded': False}
     assert plain(c.records) == plain(a.records)
 
-    s = subprocess.run([sys.executable, '-m', 'tmas_nb.runs', 'runs', 'summary', str(res_dir), '--json'],
+    s = subprocess.run([sys.executable, '-m', 'tmas_nb.cli', 'runs', 'summary', str(res_dir), '--json'],
                        env=env, capture_output=True, text=True, timeout=120)
     assert s.returncode == 0, s.stderr
     summary = json.loads(s.stdout)

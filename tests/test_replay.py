@@ -15,8 +15,11 @@ from tmas_nb.replay.evaluation import (evaluate, run_grid, table_controllers, PA
                                        canonical_spec, standard_grid)
 from tmas_nb.cli import main
 
-# The one cell of the paper that nobody reproduces from the released code (issue text: about 66.0 instead of 68.1).
-KNOWN_UNREPRODUCIBLE = {('Qwen3-1.7B', 'Parallel-Probe')}
+from helpers import toy_store as _toy
+
+# The one AIME24 cell of the paper that the released stores do not give: the paper prints 68.1 % at 748.5k tokens,
+# the authors' own released outputs (autotts_reference/) say 66.03 % at 745,425 tokens, and so do we.
+KNOWN_UNREPRODUCIBLE = {('Qwen3-1.7B', 'Parallel-Probe'): (66.0, 745.4)}
 
 
 @pytest.fixture(scope='module')
@@ -32,7 +35,7 @@ def test_paper_table_aime24(aime24_table, model):
         acc, tok = PAPER_AIME24[model][col]
         got = (round(r.acc, 1), round(r.avg_tokens / 1000, 1))
         if (model, col) in KNOWN_UNREPRODUCIBLE:
-            assert got[0] == pytest.approx(66.0, abs=0.05), got
+            assert got == KNOWN_UNREPRODUCIBLE[model, col] and got != (acc, tok), got
             continue
         assert got == (acc, tok), f"{model} {col}: ours {got} vs paper {(acc, tok)}"
 
@@ -72,11 +75,6 @@ def test_grid_covers_standard_configurations(data_root):
 
 
 # ---- environment rules ----------------------------------------------------------------------------------
-
-def _toy():
-    return ReplayStore.from_records([{'question': 'q', 'gold_answer': '1', 'probe_freq': 500,
-                                      'each_branch': [[['1', '2'], 1800, '1'], [[], 200, '2']]}], name='toy')
-
 
 def test_illegal_actions_cost_nothing():
     env = ReplayEnv(_toy(), 0, seed=None)

@@ -25,10 +25,8 @@ RUNS = {
 
 
 def _tmas_command() -> list[str]:
-    "`tmas` as a subprocess: the CLI module once it carries the run commands, else the runs module's own entry point (same parser)."
-    from tmas_nb import cli
-    module = 'tmas_nb.cli' if 'tmas_nb.runs' in cli.COMMAND_MODULES else 'tmas_nb.runs'
-    return [sys.executable, '-m', module]
+    "`tmas` as a subprocess."
+    return [sys.executable, '-m', 'tmas_nb.cli']
 
 
 @pytest.fixture(scope='session')
@@ -97,6 +95,10 @@ def test_tmas_iterations_report(recorded_runs, summaries, tmp_path):
     s = json.loads((d / 'summary.json').read_text())
     assert s['runs'] == 4 and 'small model' in s['note']
     _png(d / 'pass_at_1_curves.png')
+    paper = pd.read_csv(d / 'paper_comparison.csv')     # the published figures are printed, none matches the demo set
+    assert len(paper) == 18 and paper.ours.isna().all() and (paper.setting_differs == 'no run of ours on this benchmark').all()
+    top = paper[(paper.benchmark == 'imo_answerbench') & (paper.label == 'tmas') & (paper.model == 'Qwen3-30B-A3B-Thinking-2507')]
+    assert top.paper.tolist() == [40.5]
 
 
 def test_tmas_ablation_report(recorded_runs, summaries, tmp_path):
@@ -124,6 +126,8 @@ def test_verification_paradox_report(recorded_runs, tmp_path):
     both = t[(t.n_ever > 0) & (t.n_never > 0)]
     assert _finite(both, ['delta']) if len(both) else t.note.str.contains('left out|at least 2').all()
     _png(d / 'verification_paradox.png')
+    paper = pd.read_csv(d / 'paper_comparison.csv')
+    assert paper.paper.tolist() == [0.110, 0.056] and paper.paper_p.tolist() == [0.00622, 0.448]
 
 
 def test_rse_tables_report(recorded_runs, summaries, tmp_path):

@@ -8,7 +8,7 @@ import asyncio, hashlib, json, random
 from dataclasses import dataclass, field, asdict, replace
 from typing import Any, Mapping, Sequence
 
-from .llm.core import LLM, Request, Completion, TokenUsage
+from .llm.core import LLM, Request, Completion, TokenUsage, split_thinking
 from .prompts import (render_solution_messages, render_verification_messages, render_summary_messages,
                              render_experience_messages, render_guideline_messages, render_rse_messages,
                              render_distillation_messages, render_self_refine_messages,
@@ -17,9 +17,10 @@ from .prompts import (render_solution_messages, render_verification_messages, re
 from .memory import ExperienceBank, GuidelineBank, RSEBank
 
 # %% auto #0
-__all__ = ['derive_seed', 'derive_rng', 'SamplingConfig', 'solve', 'Verification', 'is_fully_verified', 'verify', 'summarize',
-           'MemoryUpdate', 'update_experience', 'update_guidelines', 'apply_distillation', 'distill', 'rse_rollouts',
-           'sample', 'self_refine', 'verify_refine', 'pacore', 'MeteredLLM']
+__all__ = ['ROLE_SAMPLING_KEYS', 'TMAS_ROLE_SAMPLING', 'DISTILL_MAX_CHARS', 'derive_seed', 'derive_rng', 'SamplingConfig',
+           'AgentContext', 'solve', 'Verification', 'is_fully_verified', 'verify', 'summarize', 'MemoryUpdate',
+           'update_experience', 'update_guidelines', 'apply_distillation', 'rollout_trajectory', 'distill',
+           'rse_rollouts', 'sample', 'self_refine', 'verify_refine', 'pacore', 'MeteredLLM']
 
 # %% ../nbs/21_agents.ipynb #17bfe1ef
 def derive_seed(run_seed: int, problem_id: str, iteration: int, candidate: int, role: str) -> int:
@@ -31,35 +32,68 @@ def derive_rng(run_seed: int, problem_id: str, iteration: int, candidate: int, r
     "A `random.Random` seeded by `derive_seed` (for the methods' own random choices)."
     return random.Random(derive_seed(run_seed, problem_id, iteration, candidate, role))
 
+ROLE_SAMPLING_KEYS = ('temperature', 'top_p', 'top_k', 'max_new_tokens')
+"The settings a role may override."
+
+TMAS_ROLE_SAMPLING = {'summary': {'temperature': 0.6}, 'experience': {'temperature': 0.6}, 'guideline': {'temperature': 0.6}}
+"TMAS paper: solution and verification sample at temperature 1.0, the summary and both memory agents at 0.6 (top-p 0.95 for all)."
+
 @dataclass(frozen=True)
 class SamplingConfig:
-    "Sampling settings shared by every agent of a run; `seed` is the run seed that per-call seeds derive from."
+    "The one sampling-settings class: defaults for every agent of a run, `roles` overriding them per role; `seed` is the run seed."
     temperature: float = 1.0
     top_p: float = 0.95
     top_k: int | None = None
     max_new_tokens: int = 4096
     seed: int = 0
     enable_thinking: bool | None = None
+    roles: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not isinstance(self.roles, Mapping): raise ValueError(f"role_sampling: must be a dict {{role: {{setting: value}}}}, got {self.roles!r}")
+        for role, over in self.roles.items():
+            bad = sorted(set(over) - set(ROLE_SAMPLING_KEYS)) if isinstance(over, Mapping) else None
+            if bad is None or bad:
+                raise ValueError(f"role_sampling[{role!r}]: unknown setting(s) {bad if bad else over!r}; a role may set {list(ROLE_SAMPLING_KEYS)}")
+
+    def for_role(self, role: str) -> SamplingConfig:
+        "These settings with `role`'s overrides applied (and no further per-role table)."
+        return replace(self, **dict(self.roles.get(role, {})), roles={})
 
     def request(self, messages: list[dict], role: str, problem_id: str, iteration: int, candidate: int,
                 n: int = 1, seed_role: str | None = None) -> Request:
-        "A `Request` with these settings and the seed derived from (seed, problem, iteration, candidate, role)."
+        "A `Request` with `role`'s settings and the seed derived from (seed, problem, iteration, candidate, role)."
+        s = self.for_role(role)
         seed = derive_seed(self.seed, problem_id, iteration, candidate, seed_role or role)
-        return Request(messages=messages, role=role, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                       max_new_tokens=self.max_new_tokens, n=n, seed=seed, enable_thinking=self.enable_thinking)
+        return Request(messages=messages, role=role, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                       max_new_tokens=s.max_new_tokens, n=n, seed=seed, enable_thinking=s.enable_thinking)
+
+@dataclass(frozen=True)
+class AgentContext:
+    "What the agent calls for one problem at one iteration share: sampling settings (with the run seed), the problem's id and question, the iteration (an RSE round), the prompt templates."
+    sampling: SamplingConfig
+    problem_id: str
+    question: str
+    iteration: int = 0
+    templates: Mapping[str, str] | None = None
+
+    def request(self, messages: list[dict], role: str, candidate: int, n: int = 1, seed_role: str | None = None) -> Request:
+        "`SamplingConfig.request` for this problem and iteration: the seed derives from (run seed, problem, iteration, candidate, role)."
+        return self.sampling.request(messages, role, self.problem_id, self.iteration, candidate, n=n, seed_role=seed_role)
+
+    def rng(self, candidate: int, role: str) -> random.Random:
+        "`derive_rng` for this problem and iteration."
+        return derive_rng(self.sampling.seed, self.problem_id, self.iteration, candidate, role)
 
 # %% ../nbs/21_agents.ipynb #2daf01c1
-async def solve(llm: LLM, sampling: SamplingConfig, question: str, problem_id: str, iteration: int, candidate: int,
-                mode: str = 'exploit', rollouts: Sequence[Any] = (), experience: Any = None,
-                guidelines: Sequence[Any] = (), max_rollouts: int | None = None,
-                templates: Mapping[str, str] | None = None) -> Completion:
+async def solve(llm: LLM, ctx: AgentContext, candidate: int, mode: str = 'exploit', rollouts: Sequence[Any] = (),
+                experience: Any = None, guidelines: Sequence[Any] = (), max_rollouts: int | None = None) -> Completion:
     "One solution from the TMAS solution agent in `exploit` or `explore` mode."
     if mode == 'explore': rollouts, experience = (), None
     else: guidelines = ()
-    rng = derive_rng(sampling.seed, problem_id, iteration, candidate, 'rollout-subset')
-    msgs = render_solution_messages(question, mode=mode, rollouts=rollouts, experience=experience,
-                                    guidelines=guidelines, max_rollouts=max_rollouts, rng=rng, templates=templates)
-    [[c]] = await llm.generate([sampling.request(msgs, 'solution', problem_id, iteration, candidate)])
+    msgs = render_solution_messages(ctx.question, mode=mode, rollouts=rollouts, experience=experience, guidelines=guidelines,
+                                    max_rollouts=max_rollouts, rng=ctx.rng(candidate, 'rollout-subset'), templates=ctx.templates)
+    [[c]] = await llm.generate([ctx.request(msgs, 'solution', candidate)])
     return c
 
 # %% ../nbs/21_agents.ipynb #0f6a4bcd
@@ -83,23 +117,21 @@ def is_fully_verified(scores: Sequence[float], n_verifications: int) -> bool:
     "At least max(1, M - 2) readable scores and all of them 1.0 (the paper's 'fully verified')."
     return n_verifications > 0 and len(scores) >= max(1, n_verifications - 2) and all(s == 1.0 for s in scores)
 
-async def verify(llm: LLM, sampling: SamplingConfig, question: str, solution: str, problem_id: str, iteration: int,
-                 candidate: int, n_verifications: int, templates: Mapping[str, str] | None = None) -> Verification:
+async def verify(llm: LLM, ctx: AgentContext, solution: str, candidate: int, n_verifications: int) -> Verification:
     "M reviews of one solution in a single request (`n = M`); M = 0 asks nothing."
     if n_verifications <= 0: return Verification()
-    msgs = render_verification_messages(question, solution, templates=templates)
-    [cs] = await llm.generate([sampling.request(msgs, 'verification', problem_id, iteration, candidate, n=n_verifications)])
-    texts = [c.text for c in cs]
+    msgs = render_verification_messages(ctx.question, solution, templates=ctx.templates)
+    [cs] = await llm.generate([ctx.request(msgs, 'verification', candidate, n=n_verifications)])
+    texts = [c.text if not c.truncated else '(this review was cut off by the token limit)' for c in cs]
     scores = [s for s in (parse_verification_score(t) for t in texts) if s is not None]
     return Verification(texts, scores, len(texts) - len(scores))
 
 # %% ../nbs/21_agents.ipynb #4f86bc3a
-async def summarize(llm: LLM, sampling: SamplingConfig, question: str, solution: str, verification: Verification,
-                    problem_id: str, iteration: int, candidate: int, max_words: int = 200,
-                    templates: Mapping[str, str] | None = None) -> str:
+async def summarize(llm: LLM, ctx: AgentContext, solution: str, verification: Verification, candidate: int,
+                    max_words: int = 200) -> str:
     "A compact summary of one candidate and its reviews."
-    msgs = render_summary_messages(question, solution, verification.reviews(), max_words=max_words, templates=templates)
-    [[c]] = await llm.generate([sampling.request(msgs, 'summary', problem_id, iteration, candidate)])
+    msgs = render_summary_messages(ctx.question, solution, verification.reviews(), max_words=max_words, templates=ctx.templates)
+    [[c]] = await llm.generate([ctx.request(msgs, 'summary', candidate)])
     return c.text.strip()
 
 # %% ../nbs/21_agents.ipynb #97bad9d5
@@ -115,13 +147,12 @@ class MemoryUpdate:
 
     def to_dict(self) -> dict: return asdict(self)
 
-async def _ask_json(llm: LLM, sampling: SamplingConfig, msgs: list[dict], role: str, keys: Sequence[str],
-                    problem_id: str, iteration: int, candidate: int, retries: int) -> tuple[dict | None, int, str | None]:
+async def _ask_json(llm: LLM, ctx: AgentContext, msgs: list[dict], role: str, keys: Sequence[str], candidate: int,
+                    retries: int) -> tuple[dict | None, int, str | None]:
     "Ask until the reply holds a JSON object with one of `keys`: (answer or None, attempts, last error)."
     error = None
     for attempt in range(retries + 1):
-        req = sampling.request(msgs, role, problem_id, iteration, candidate,
-                               seed_role=role if attempt == 0 else f'{role}#retry{attempt}')
+        req = ctx.request(msgs, role, candidate, seed_role=role if attempt == 0 else f'{role}#retry{attempt}')
         [[c]] = await llm.generate([req])
         ans = parse_json_lists(c.text, keys)
         if ans is not None: return ans, attempt + 1, None
@@ -129,24 +160,24 @@ async def _ask_json(llm: LLM, sampling: SamplingConfig, msgs: list[dict], role: 
                  f"{' (it was cut at max_new_tokens)' if c.finish_reason == 'length' else ''}: {c.text[:120]!r}")
     return None, retries + 1, error
 
-async def update_experience(llm: LLM, sampling: SamplingConfig, question: str, rollouts: Sequence[Any],
-                            bank: ExperienceBank, problem_id: str, iteration: int, retries: int = 2,
-                            templates: Mapping[str, str] | None = None) -> MemoryUpdate:
+async def update_experience(llm: LLM, ctx: AgentContext, rollouts: Sequence[Any], bank: ExperienceBank,
+                            retries: int = 2) -> MemoryUpdate:
     "Ask the experience agent for the updated bank and apply it (the bank is unchanged when no reply parses)."
-    msgs = render_experience_messages(question, rollouts, bank, templates=templates)
-    ans, attempts, err = await _ask_json(llm, sampling, msgs, 'experience', EXPERIENCE_KEYS, problem_id, iteration, -1, retries)
+    msgs = render_experience_messages(ctx.question, rollouts, bank, templates=ctx.templates)
+    ans, attempts, err = await _ask_json(llm, ctx, msgs, 'experience', EXPERIENCE_KEYS, -1, retries)
     if ans is None: return MemoryUpdate('experience', False, attempts, 0, err)
-    ev = bank.update_from_agent(ans, round=iteration, replace=True)
+    if not any(ans.get(k) for k in EXPERIENCE_KEYS):   # an empty reply says nothing about the bank: keep it
+        return MemoryUpdate('experience', True, attempts, 0, 'empty reply; the previous bank is kept', answer=ans)
+    ev = bank.update_from_agent(ans, round=ctx.iteration, replace=True)
     return MemoryUpdate('experience', True, attempts, sum(len(v) for v in ev.added.values()), answer=ans)
 
-async def update_guidelines(llm: LLM, sampling: SamplingConfig, question: str, rollouts: Sequence[Any],
-                            bank: GuidelineBank, problem_id: str, iteration: int, retries: int = 2,
-                            templates: Mapping[str, str] | None = None) -> MemoryUpdate:
+async def update_guidelines(llm: LLM, ctx: AgentContext, rollouts: Sequence[Any], bank: GuidelineBank,
+                            retries: int = 2) -> MemoryUpdate:
     "Ask the guideline agent for the updated strategy list and append its new strategies (append-only)."
-    msgs = render_guideline_messages(question, rollouts, bank.texts(), templates=templates)
-    ans, attempts, err = await _ask_json(llm, sampling, msgs, 'guideline', GUIDELINE_KEYS, problem_id, iteration, -1, retries)
+    msgs = render_guideline_messages(ctx.question, rollouts, bank.texts(), templates=ctx.templates)
+    ans, attempts, err = await _ask_json(llm, ctx, msgs, 'guideline', GUIDELINE_KEYS, -1, retries)
     if ans is None: return MemoryUpdate('guideline', False, attempts, 0, err)
-    ev = bank.update(ans['updated_guidelines'], round=iteration)
+    ev = bank.update(ans['updated_guidelines'], round=ctx.iteration)
     return MemoryUpdate('guideline', True, attempts, len(ev.added), answer=ans)
 
 def apply_distillation(bank: RSEBank, answer: dict, mode: str, round: int) -> int:
@@ -156,54 +187,67 @@ def apply_distillation(bank: RSEBank, answer: dict, mode: str, round: int) -> in
     ev = bank.update(props, pits, round=round)
     return sum(len(v) for v in ev.added.values())
 
-async def distill(llm: LLM, sampling: SamplingConfig, question: str, solution: str, bank: RSEBank | None,
-                  problem_id: str, round: int, candidate: int, mode: str = 'both', retries: int = 2,
-                  templates: Mapping[str, str] | None = None) -> MemoryUpdate:
-    "Distil one RSE rollout into propositions and pitfalls (kept in `.answer`) and add them to `bank` unless it is None."
+DISTILL_MAX_CHARS = 24_000
+"Default budget (characters, about 6k tokens) of one rollout's trajectory shown to the distillation agent."
+
+def rollout_trajectory(rollout: Completion | str, max_chars: int = DISTILL_MAX_CHARS) -> str:
+    "A rollout's reasoning and final response as one text of at most ~`max_chars`, keeping the end of long reasoning."
+    if isinstance(rollout, Completion):
+        reasoning, response, cut = rollout.reasoning, rollout.text, rollout.truncated
+        if not reasoning and rollout.raw: reasoning, response, cut = split_thinking(rollout.raw, rollout.finish_reason)
+    else: reasoning, response, cut = split_thinking(str(rollout))
+    if cut: reasoning, response = (reasoning + '\n' + response).strip(), ''   # a cut-off output is all reasoning
+    if max_chars < 200: raise ValueError(f"distill_max_chars: must be >= 200, got {max_chars}")
+    response = response.strip() if len(response) <= max_chars // 2 else '...' + response.strip()[-(max_chars // 2):]
+    final = response or ('(none: the attempt was cut off by the token limit)' if cut else '(empty)')
+    if not reasoning.strip(): return final
+    room = max(0, max_chars - len(final))
+    r = reasoning.strip()
+    head = 'Reasoning:'
+    if len(r) > room: r, head = '...' + r[-room:], f'Reasoning (its last {room} characters):'
+    return f"{head}\n{r}\n\nFinal response:\n{final}"
+
+async def distill(llm: LLM, ctx: AgentContext, solution: str | Completion, bank: RSEBank | None, candidate: int,
+                  mode: str = 'both', retries: int = 2, max_chars: int = DISTILL_MAX_CHARS) -> MemoryUpdate:
+    "Distil one RSE rollout (its reasoning and response) into propositions and pitfalls, kept in `.answer` and added to `bank` unless it is None."
     if mode not in ('both', 'positive', 'negative'): raise ValueError(f"distill: mode={mode!r}; use 'both', 'positive' or 'negative'")
-    msgs = render_distillation_messages(question, solution, templates=templates)
-    ans, attempts, err = await _ask_json(llm, sampling, msgs, 'distillation', DISTILLATION_KEYS, problem_id, round, candidate, retries)
+    msgs = render_distillation_messages(ctx.question, rollout_trajectory(solution, max_chars), templates=ctx.templates)
+    ans, attempts, err = await _ask_json(llm, ctx, msgs, 'distillation', DISTILLATION_KEYS, candidate, retries)
     if ans is None: return MemoryUpdate('distillation', False, attempts, 0, err)
-    added = apply_distillation(bank, ans, mode, round) if bank is not None else 0
+    added = apply_distillation(bank, ans, mode, ctx.iteration) if bank is not None else 0
     return MemoryUpdate('distillation', True, attempts, added, answer=ans)
 
 # %% ../nbs/21_agents.ipynb #c4a1963c
-async def rse_rollouts(llm: LLM, sampling: SamplingConfig, question: str, bank: RSEBank | None, problem_id: str,
-                       round: int, k: int, templates: Mapping[str, str] | None = None) -> list[Completion]:
+async def rse_rollouts(llm: LLM, ctx: AgentContext, bank: RSEBank | None, k: int) -> list[Completion]:
     "K rollouts with the RSE bank in the system prompt (one request, `n = K`)."
-    msgs = render_rse_messages(question, bank, templates=templates)
-    [cs] = await llm.generate([sampling.request(msgs, 'solution', problem_id, round, -1, n=k, seed_role='rse-solution')])
+    msgs = render_rse_messages(ctx.question, bank, templates=ctx.templates)
+    [cs] = await llm.generate([ctx.request(msgs, 'solution', -1, n=k, seed_role='rse-solution')])
     return cs
 
-async def sample(llm: LLM, sampling: SamplingConfig, question: str, problem_id: str, iteration: int, k: int,
-                 templates: Mapping[str, str] | None = None) -> list[Completion]:
+async def sample(llm: LLM, ctx: AgentContext, k: int) -> list[Completion]:
     "K independent solutions from the base prompt (one request, `n = K`)."
-    msgs = render_solution_messages(question, mode='exploit', templates=templates)
-    [cs] = await llm.generate([sampling.request(msgs, 'solution', problem_id, iteration, -1, n=k, seed_role='sample')])
+    msgs = render_solution_messages(ctx.question, mode='exploit', templates=ctx.templates)
+    [cs] = await llm.generate([ctx.request(msgs, 'solution', -1, n=k, seed_role='sample')])
     return cs
 
-async def self_refine(llm: LLM, sampling: SamplingConfig, question: str, solution: str, problem_id: str,
-                      iteration: int, candidate: int, templates: Mapping[str, str] | None = None) -> Completion:
+async def self_refine(llm: LLM, ctx: AgentContext, solution: str, candidate: int) -> Completion:
     "The model's own refinement of its earlier solution."
-    msgs = render_self_refine_messages(question, solution, templates=templates)
-    [[c]] = await llm.generate([sampling.request(msgs, 'refine', problem_id, iteration, candidate)])
+    msgs = render_self_refine_messages(ctx.question, solution, templates=ctx.templates)
+    [[c]] = await llm.generate([ctx.request(msgs, 'refine', candidate)])
     return c
 
-async def verify_refine(llm: LLM, sampling: SamplingConfig, question: str, solution: str, feedback: Sequence[str],
-                        problem_id: str, iteration: int, candidate: int,
-                        templates: Mapping[str, str] | None = None) -> Completion:
+async def verify_refine(llm: LLM, ctx: AgentContext, solution: str, feedback: Sequence[str], candidate: int) -> Completion:
     "A corrected solution written from the solution and its reviewers' feedback."
-    msgs = render_verify_refine_messages(question, solution, list(feedback), templates=templates)
-    [[c]] = await llm.generate([sampling.request(msgs, 'refine', problem_id, iteration, candidate)])
+    msgs = render_verify_refine_messages(ctx.question, solution, list(feedback), templates=ctx.templates)
+    [[c]] = await llm.generate([ctx.request(msgs, 'refine', candidate)])
     return c
 
-async def pacore(llm: LLM, sampling: SamplingConfig, question: str, references: Sequence[str], problem_id: str,
-                 iteration: int, candidate: int, max_references: int | None = None,
-                 templates: Mapping[str, str] | None = None) -> Completion:
+async def pacore(llm: LLM, ctx: AgentContext, references: Sequence[str], candidate: int,
+                 max_references: int | None = None) -> Completion:
     "A fresh solution that sees the previous round's final answers as references."
-    rng = derive_rng(sampling.seed, problem_id, iteration, candidate, 'reference-subset')
-    msgs = render_pacore_messages(question, list(references), max_references=max_references, rng=rng, templates=templates)
-    [[c]] = await llm.generate([sampling.request(msgs, 'solution', problem_id, iteration, candidate, seed_role='pacore')])
+    msgs = render_pacore_messages(ctx.question, list(references), max_references=max_references,
+                                  rng=ctx.rng(candidate, 'reference-subset'), templates=ctx.templates)
+    [[c]] = await llm.generate([ctx.request(msgs, 'solution', candidate, seed_role='pacore')])
     return c
 
 # %% ../nbs/21_agents.ipynb #96c3bc5a

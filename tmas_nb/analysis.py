@@ -4,103 +4,28 @@
 
 # %% ../nbs/30_analysis.ipynb #1a7c135b
 from __future__ import annotations
-import glob, json, os, re
-from dataclasses import dataclass, field
+import glob, json, os
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
 import pandas as pd
 
+from .runs import (Run, load_run, BANK_COLUMNS, TMAS_VARIANTS, tmas_variant, run_label, judge_columns,
+                          grading_label, carry_forward, pass_at_1_by_iteration)
+
 # %% auto #0
-__all__ = ['REQUIRED_RUN_FILES', 'RECORD_FIELDS', 'BANK_FIELDS', 'TMAS_VARIANTS', 'SMALL_MODELS', 'BENCHMARK_SIZES', 'ITEM_KINDS',
-           'RunData', 'read_run', 'expand_runs', 'read_runs', 'tmas_variant', 'run_label', 'config_key',
-           'benchmark_name', 'is_small_setting', 'setting_note', 'tmas_run_command', 'judge_columns',
-           'pass_at_1_by_iteration', 'pass_at_1_table', 'iteration_table', 'total_completion_tokens',
-           'tokens_by_method', 'verification_paradox', 'unique_guidelines', 'bank_sizes', 'pareto_front',
-           'significance_vs_baseline', 'repeated_runs', 'display_names']
+__all__ = ['RunData', 'read_run', 'SMALL_MODELS', 'BENCHMARK_SIZES', 'PAPER_COLUMNS', 'ITEM_KINDS', 'expand_runs', 'read_runs',
+           'config_key', 'benchmark_name', 'is_small_setting', 'setting_note', 'tmas_run_command', 'pass_at_1_table',
+           'iteration_table', 'paper_comparison', 'total_completion_tokens', 'tokens_by_method', 'verification_paradox',
+           'unique_guidelines', 'bank_sizes', 'pareto_front', 'significance_vs_baseline', 'repeated_runs',
+           'display_names']
 
 # %% ../nbs/30_analysis.ipynb #d3def5f8
-REQUIRED_RUN_FILES = ('config.json', 'records.parquet', 'banks.parquet', 'usage.json')
-"The files a finished run folder must hold for the reports (`status.json` is optional)."
-
-RECORD_FIELDS = ('method', 'problem_id', 'iteration', 'candidate', 'branch', 'solution', 'answer', 'correct',
-                 'finish_reason', 'verification_scores', 'mean_score', 'fully_verified', 'summary',
-                 'completion_tokens', 'gold', 'category', 'wall_s')
-"The columns of `records.parquet`, the same for every method."
-
-BANK_FIELDS = ('problem_id', 'iteration', 'bank', 'items', 'n_items')
-"The columns of `banks.parquet`."
-
-@dataclass(eq=False)
-class RunData:
-    "One run folder read for analysis: `config`, `records` and `banks` (DataFrames), `usage`, `status`."
-    run_dir: Path
-    config: dict
-    records: pd.DataFrame
-    banks: pd.DataFrame
-    usage: dict
-    status: dict = field(default_factory=dict)
-
-    @property
-    def method(self) -> str: return str(self.config.get('method', ''))
-    @property
-    def settings(self) -> dict: return dict(self.config.get('config') or {})
-    @property
-    def model(self) -> str: return str(self.config.get('model', ''))
-    @property
-    def complete(self) -> bool: return bool(self.status.get('complete', True))
-    @property
-    def n_problems(self) -> int:
-        "Problems of the run: those in its config when it finished, else those with a checkpointed record so far."
-        ids = self.config.get('problem_ids')
-        if ids and self.complete: return len(ids)
-        return int(self.records['problem_id'].nunique())
-    @property
-    def label(self) -> str: return run_label(self.config)
-    def __repr__(self): return f"RunData({str(self.run_dir)!r}, {self.label!r}, records={len(self.records)})"
-
-def _check_columns(df: pd.DataFrame, wanted: Sequence[str], path: Path, how: str):
-    missing = [c for c in wanted if c not in df.columns]
-    if missing: raise ValueError(f"{path}: missing column(s) {missing}; {how}")
-
-def _normalise_records(rec: pd.DataFrame) -> pd.DataFrame:
-    rec = rec.copy()
-    rec['verification_scores'] = [[float(s) for s in x] if x is not None else [] for x in rec['verification_scores']]
-    rec['mean_score'] = pd.to_numeric(rec['mean_score'], errors='coerce').astype('float64')
-    rec['correct'] = rec['correct'].astype(bool)
-    for c in ('iteration', 'candidate', 'completion_tokens'): rec[c] = rec[c].astype('int64')
-    rec['problem_id'] = rec['problem_id'].astype(str)
-    return rec
-
-def _read_json(path: Path) -> dict:
-    try: return json.loads(path.read_text(encoding='utf-8'))
-    except json.JSONDecodeError as e: raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); rerun the run to rewrite it") from None
-
-def read_run(run_dir) -> RunData:
-    "Read a run folder (config, records, banks, usage, status)."
-    run_dir = Path(run_dir)
-    if not (run_dir / 'config.json').exists():
-        raise FileNotFoundError(f"{run_dir}: no config.json, so this is not a run folder; create one with "
-                                f"`tmas run --method ... --out {run_dir}`")
-    config = _read_json(run_dir / 'config.json')
-    status = _read_json(run_dir / 'status.json') if (run_dir / 'status.json').exists() else {}
-    missing = [f for f in REQUIRED_RUN_FILES[1:] if not (run_dir / f).exists()]
-    if missing:
-        if (run_dir / 'checkpoints').is_dir():
-            try: from tmas_nb.runs import load_run
-            except ImportError: load_run = None
-            if load_run is not None:
-                r = load_run(run_dir)
-                return RunData(run_dir, r.config, _normalise_records(r.records), r.banks, r.usage, r.status)
-        raise FileNotFoundError(f"{run_dir}: missing {', '.join(missing)}; the run has not finished. Rerun the same "
-                                f"`tmas run ... --out {run_dir}` command to finish it (it resumes), or drop this folder from `runs`.")
-    rec = pd.read_parquet(run_dir / 'records.parquet')
-    _check_columns(rec, RECORD_FIELDS, run_dir / 'records.parquet', 'it was written by an older version; rerun `tmas run`')
-    banks = pd.read_parquet(run_dir / 'banks.parquet')
-    _check_columns(banks, BANK_FIELDS, run_dir / 'banks.parquet', 'it was written by an older version; rerun `tmas run`')
-    banks['items'] = [list(x) if x is not None else [] for x in banks['items']]
-    return RunData(run_dir, config, _normalise_records(rec), banks, _read_json(run_dir / 'usage.json'), status)
+RunData = Run
+"A run folder read for analysis: `tmas_nb.runs.Run`."
+read_run = load_run
+"Read one run folder: `tmas_nb.runs.load_run`."
 
 def expand_runs(runs: str | os.PathLike | Iterable[str | os.PathLike]) -> list[Path]:
     "Run folders from a list of folders and/or glob patterns (or one pattern); only folders with a config.json."
@@ -121,28 +46,11 @@ def read_runs(runs) -> list[RunData]:
     return [read_run(p) for p in expand_runs(runs)]
 
 # %% ../nbs/30_analysis.ipynb #f5ce5bef
-TMAS_VARIANTS = {(True, True): 'full', (False, True): '−experience', (True, False): '−guideline', (False, False): '−both'}
-"TMAS component ablations by (use_experience, use_guidelines)."
-
 SMALL_MODELS = ('smollm2', 'default', 'qwen2.5-coder-0.5b')
 "Model names of the small packaged models (checks, not reproductions of the papers)."
 
 BENCHMARK_SIZES = {'imo_answerbench': 400, 'hmmt24': 30, 'hmmt25': 30, 'demo': 30}
 "Problems in each full benchmark."
-
-def tmas_variant(config: dict) -> str:
-    "'full', '−experience', '−guideline' or '−both' from a TMAS run's switches (`config.json` or its `config` part)."
-    c = config.get('config', config)
-    return TMAS_VARIANTS[(bool(c.get('use_experience', True)), bool(c.get('use_guidelines', True)))]
-
-def run_label(config: dict) -> str:
-    "A short name of the run's method and variant, e.g. 'tmas', 'tmas −guideline', 'rse positive', 'mv'."
-    m, c = config.get('method', '?'), config.get('config') or {}
-    if m == 'tmas':
-        v = tmas_variant(c)
-        return 'tmas' if v == 'full' else f'tmas {v}'
-    if m == 'rse' and c.get('mode', 'both') != 'both': return f"rse {c['mode']}"
-    return m
 
 def config_key(config: dict, ignore: Sequence[str] = ('seed',)) -> str:
     "A key equal for runs that differ only in `ignore` (the seed): method, settings, benchmark, problems and model."
@@ -190,31 +98,14 @@ def tmas_run_command(config: dict, out: str, **changes) -> str:
     cmd = ' '.join(parts + (['--config FILE.json'] if extra else []) + [f'--out {out}'])
     return cmd + (f"   # FILE.json: {json.dumps(extra)}" if extra else '')
 
-# %% ../nbs/30_analysis.ipynb #af2b665e
-def judge_columns(records: pd.DataFrame) -> list[str]:
-    "Columns holding repeated gradings of the candidates (`correct_judge<k>`), in order."
-    cols = [c for c in records.columns if re.fullmatch(r'correct_judge\d+', str(c))]
-    return sorted(cols, key=lambda c: int(c.rsplit('judge', 1)[1]))
-
-def pass_at_1_by_iteration(records: pd.DataFrame, judges: Sequence[str] | str | None = None) -> pd.DataFrame:
-    "Per iteration: Pass@1 (mean over problems of correct / candidates), candidates and problems; averaged over `judges` columns if given ('auto': those present)."
-    cols = judge_columns(records) if judges == 'auto' else list(judges or [])
-    cols = cols or ['correct']
-    out = []
-    for it, g in records.groupby('iteration', sort=True):
-        per_col = [float(g.groupby('problem_id')[c].mean().mean()) for c in cols]
-        row = {'iteration': int(it), 'pass_at_1': float(np.mean(per_col)), 'candidates': int(len(g)),
-               'problems': int(g['problem_id'].nunique())}
-        if cols != ['correct']: row.update(judges=len(cols), pass_at_1_std=float(np.std(per_col, ddof=1)) if len(cols) > 1 else float('nan'))
-        out.append(row)
-    return pd.DataFrame(out, columns=['iteration', 'pass_at_1', 'candidates', 'problems'] + (['judges', 'pass_at_1_std'] if cols != ['correct'] else []))
-
 # %% ../nbs/30_analysis.ipynb #9cdcc601
-def pass_at_1_table(runs: Sequence[RunData], judges: Sequence[str] | str | None = None) -> pd.DataFrame:
+def pass_at_1_table(runs: Sequence[RunData], judges: Sequence[str] | str | None = 'auto') -> pd.DataFrame:
     "Pass@1 by iteration of every run: run, label, method, benchmark, model, seed, iteration, pass_at_1, candidates, problems."
     frames = []
     for r in runs:
         c = pass_at_1_by_iteration(r.records, judges)
+        judged = judges == 'auto' and judge_columns(r.records) or (judges not in (None, 'auto') and list(judges))
+        c['grading'] = grading_label(r.judge) if judged else 'rule-based grader'
         for i, (k, v) in enumerate({'run': str(r.run_dir), 'label': r.label, 'method': r.method,
                                     'benchmark': benchmark_name(r.config), 'model': r.model, 'seed': r.settings.get('seed')}.items()):
             c.insert(i, k, v)
@@ -227,6 +118,39 @@ def iteration_table(long: pd.DataFrame, value: str = 'pass_at_1', scale: float =
     w = long.groupby([*index, 'iteration'])[value].mean().unstack('iteration') * scale
     w.columns = [f'It{int(i)}' for i in w.columns]
     return w
+
+# %% ../nbs/30_analysis.ipynb #793a350e
+PAPER_COLUMNS = ('source', 'benchmark', 'setting', 'problems', 'model', 'label', 'iteration', 'paper')
+"Columns of a table of published figures (`iteration` may be None for a value that is not per iteration)."
+
+def paper_comparison(paper: Sequence[dict] | pd.DataFrame, ours: pd.DataFrame, value: str = 'ours',
+                     keys: Sequence[str] = ('benchmark', 'label', 'iteration')) -> pd.DataFrame:
+    "Published rows with our value on the same `keys` beside them, `diff` = ours − paper, and `setting_differs` in words."
+    p = pd.DataFrame(list(paper) if not isinstance(paper, pd.DataFrame) else paper)
+    missing = [c for c in PAPER_COLUMNS if c not in p.columns]
+    if missing: raise ValueError(f"published table: missing column(s) {missing}; each row needs {list(PAPER_COLUMNS)}")
+    keys = list(keys)
+    o = ours.copy()
+    if len(o) == 0: o = pd.DataFrame(columns=[*keys, value, 'model', 'problems'])
+    o = o.rename(columns={'model': 'our_model', 'problems': 'our_problems', value: 'ours'})
+    for k in keys:
+        if k == 'iteration':
+            p[k] = p[k].astype('Int64'); o[k] = pd.to_numeric(o[k]).astype('Int64')
+        else: p[k] = p[k].astype(str); o[k] = o[k].astype(str)
+    agg = {'ours': ('ours', 'mean'), 'our_model': ('our_model', lambda s: ', '.join(sorted(set(map(str, s))))),
+           'our_problems': ('our_problems', 'max')} if len(o) else None
+    o = o.groupby(keys, dropna=False).agg(**agg).reset_index() if agg else o[[*keys, 'ours', 'our_model', 'our_problems']]
+    m = p.merge(o, on=keys, how='left')
+    m['diff'] = (pd.to_numeric(m['ours']) - pd.to_numeric(m['paper'])).round(2)
+    def differs(r):
+        if pd.isna(r['ours']): return 'no run of ours on this benchmark'
+        out = []
+        if str(r['our_model']).lower() != str(r['model']).lower(): out.append(f"model {r['our_model']} (paper: {r['model']})")
+        if pd.notna(r['problems']) and pd.notna(r['our_problems']) and int(r['our_problems']) != int(r['problems']):
+            out.append(f"{int(r['our_problems'])} problems (paper: {int(r['problems'])}, {r['setting']})")
+        return '; '.join(out) or 'same setting'
+    m['setting_differs'] = [differs(r) for _, r in m.iterrows()]
+    return m[['source', 'benchmark', 'setting', 'label', 'iteration', 'model', 'paper', 'ours', 'diff', 'our_model', 'setting_differs']]
 
 # %% ../nbs/30_analysis.ipynb #ed8ab613
 def total_completion_tokens(run: RunData) -> int:
@@ -263,7 +187,7 @@ def _welch(a: Sequence[float], b: Sequence[float]) -> tuple[float, float, str]:
     return float(t), float(p), ''
 
 def verification_paradox(records: pd.DataFrame) -> pd.DataFrame:
-    "Per iteration and over all iterations ('all'): mean verification score of ever- vs never-correct problems, Δ, Welch t and p."
+    "Per iteration and over all iterations ('all'): mean verification score of ever- vs never-correct problems, Δ = never − ever, Welch t and p."
     ever = records.groupby('problem_id')['correct'].any()
     scored = records[records['mean_score'].notna()]
     rows = []
@@ -278,7 +202,7 @@ def verification_paradox(records: pd.DataFrame) -> pd.DataFrame:
         unscored = int(sel['problem_id'].nunique() - len(per_problem))
         if unscored: note = (note + '; ' if note else '') + f"{unscored} problem(s) without a parseable verification score left out"
         me, mn = (float(e.mean()) if len(e) else float('nan')), (float(n.mean()) if len(n) else float('nan'))
-        rows.append({'iteration': str(it), 'mean_ever': me, 'mean_never': mn, 'delta': me - mn,
+        rows.append({'iteration': str(it), 'mean_ever': me, 'mean_never': mn, 'delta': mn - me,
                      'n_ever': int(len(e)), 'n_never': int(len(n)), 't': t, 'p_value': p, 'note': note})
     return pd.DataFrame(rows)
 

@@ -4,10 +4,12 @@
 
 # %% ../nbs/99_cli.ipynb #567adac7
 from __future__ import annotations
-import argparse, importlib, sys
+import argparse, datetime, importlib, os, sys, traceback
+from pathlib import Path
 
 # %% auto #0
-__all__ = ['COMMAND_MODULES', 'build_parser', 'main']
+__all__ = ['COMMAND_MODULES', 'EXPECTED', 'build_parser', 'UserError', 'error_message', 'error_dir', 'save_traceback',
+           'run_command', 'main']
 
 # %% ../nbs/99_cli.ipynb #b1ee5884
 COMMAND_MODULES = [
@@ -16,6 +18,12 @@ COMMAND_MODULES = [
     'tmas_nb.llm.server',
     'tmas_nb.runs',
     'tmas_nb.reporting',
+    'tmas_nb.rl',
+    'tmas_nb.discovery',
+    'tmas_nb.fetch',
+    'tmas_nb.data',
+    'tmas_nb.judge',
+    'tmas_nb.doctor',
 ]
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,17 +34,89 @@ def build_parser() -> argparse.ArgumentParser:
     for m in COMMAND_MODULES: importlib.import_module(m).add_cli(sub)
     return p
 
+# %% ../nbs/99_cli.ipynb #fa5184f8
+class UserError(Exception):
+    "An expected failure the user can fix; `tmas` prints its message on one line and exits with status 2."
+
+def _module_of(e: BaseException) -> str:
+    "The top-level package of the class of `e` or of one of its bases (httpx, openai, papermill, jupyter_client, …)."
+    mods = {c.__module__.split('.')[0] for c in type(e).__mro__}
+    for m in ('httpx', 'httpcore', 'openai', 'papermill', 'jupyter_client', 'nbclient'):
+        if m in mods: return m
+    return ''
+
+def _server_message(e: BaseException) -> str:
+    req = getattr(e, 'request', None)
+    url = getattr(req, 'url', None) if req is not None else None
+    where = f' at {url}' if url else ''
+    name = type(e).__name__
+    if 'Connect' in name or 'Connection' in name:
+        return f"cannot reach the server{where} ({e}); is it running? Start one with `tmas serve` or check --base-url"
+    if 'Timeout' in name: return f"the server{where} did not answer in time ({e}); retry, or raise the client timeout"
+    status = getattr(getattr(e, 'response', None), 'status_code', None) or getattr(e, 'status_code', None)
+    if status == 401: return f"the server{where} refused the request (401 unauthorized): pass its API key (--api-key)"
+    return f"server error{where}: {name}: {e}"
+
+EXPECTED = (UserError, ValueError, FileNotFoundError, KeyError, NotADirectoryError, IsADirectoryError, PermissionError)
+
+def error_message(e: BaseException) -> str | None:
+    "The one-line message for an expected failure `e`, or None when `e` is a bug."
+    if isinstance(e, KeyError): return str(e.args[0]) if e.args else 'missing key'
+    if isinstance(e, EXPECTED): return ' '.join(str(e).split()) or type(e).__name__
+    if any(c.__name__ == 'LLMRequestError' for c in type(e).__mro__):   # the OpenAI-compatible backend gave up
+        return ' '.join(str(e).split())
+    mod = _module_of(e)
+    if mod in ('httpx', 'httpcore', 'openai'): return _server_message(e)
+    if mod == 'papermill' and type(e).__name__ == 'PapermillExecutionError':
+        if e.ename in {c.__name__ for c in EXPECTED}: return f"{e.ename}: {' '.join(str(e.evalue).split())}"
+        return None
+    if mod == 'papermill': return f"papermill: {' '.join(str(e).split())}"
+    if mod == 'jupyter_client' and type(e).__name__ == 'NoSuchKernel':
+        return f"{e}; register the project's kernel with `bash .ci/setup` (it runs `python -m ipykernel install`)"
+    if e.__cause__ is not None and error_message(e.__cause__) is not None:   # e.g. "2 of 5 problems failed" from a server error
+        return ' '.join(str(e).split())
+    if isinstance(e, ConnectionError): return f"connection failed: {e}"
+    if isinstance(e, OSError):
+        what = e.strerror or str(e)
+        return f"{what}: {e.filename}" if e.filename else what
+    return None
+
+# %% ../nbs/99_cli.ipynb #830d0196
+def error_dir() -> Path:
+    "Where `tmas` saves the traceback of an unexpected error: `$TMAS_ERROR_DIR`, else `~/.cache/tmas_nb/errors`."
+    env = os.environ.get('TMAS_ERROR_DIR')
+    return Path(env).expanduser() if env else Path.home() / '.cache' / 'tmas_nb' / 'errors'
+
+def save_traceback(e: BaseException) -> Path:
+    "Write the full traceback of `e` (and a papermill cell's own traceback) to a new file; returns its path."
+    text = ''.join(traceback.format_exception(e))
+    if getattr(e, 'traceback', None) and isinstance(e.traceback, list): text += '\nIn the notebook:\n' + '\n'.join(e.traceback)
+    stamp = datetime.datetime.now().strftime('%Y%m%d-%H%M%S-%f')
+    for d in (error_dir(), Path(__import__('tempfile').gettempdir()) / 'tmas_nb_errors'):
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            p = d / f'{stamp}.txt'; p.write_text(' '.join(sys.argv) + '\n\n' + text, encoding='utf-8')
+            return p
+        except OSError: continue
+    raise e
+
+def run_command(args) -> int:
+    "Run the parsed subcommand `args.func(args)`; expected errors exit 2 with one line, bugs exit 1 with a saved traceback."
+    try: return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print('tmas: interrupted', file=sys.stderr); return 130
+    except Exception as e:
+        msg = error_message(e)
+        if msg is not None:
+            print(f'tmas: error: {msg}', file=sys.stderr); return 2
+        first = (str(e).strip().splitlines() or [''])[0][:200]
+        print(f'tmas: unexpected error: {type(e).__name__}: {first} (full traceback: {save_traceback(e)})', file=sys.stderr)
+        return 1
+
 def main(argv: list[str] | None = None) -> int:
     "Run the `tmas` command line; returns the exit status."
-    p = build_parser()
-    args = p.parse_args(argv)
-    try:
-        rc = args.func(args)
-    except (ValueError, FileNotFoundError, KeyError) as e:
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f'tmas: error: {msg}', file=sys.stderr)
-        return 2
-    return int(rc or 0)
+    args = build_parser().parse_args(argv)
+    return run_command(args)
 
 # %% ../nbs/99_cli.ipynb #a84035fd
 if __name__ == '__main__' and '__file__' in globals(): sys.exit(main())

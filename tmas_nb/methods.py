@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 from .core import atomic_write_json
 from .llm.core import LLM, Completion
-from .agents import (SamplingConfig, Verification, MemoryUpdate, MeteredLLM, derive_rng, is_fully_verified,
+from .agents import (SamplingConfig, AgentContext, TMAS_ROLE_SAMPLING, DISTILL_MAX_CHARS, Verification, MemoryUpdate, MeteredLLM, derive_rng, is_fully_verified,
                             solve, verify, summarize, update_experience, update_guidelines, distill, rse_rollouts,
                             sample, self_refine, verify_refine, pacore, apply_distillation)
 from .memory import (ExperienceBank, GuidelineBank, RSEBank, HashingEmbedder, TMAS_DEDUP_THRESHOLD,
@@ -22,9 +22,10 @@ from .data import Problem
 
 # %% auto #0
 __all__ = ['EMBEDDERS', 'RECORD_COLUMNS', 'METHODS', 'MethodConfig', 'TMASConfig', 'RSEConfig', 'BaselineConfig', 'candidate',
-           'problem_category', 'records_frame', 'StepResult', 'Method', 'TMAS', 'RSE', 'Sampling', 'majority_answer',
-           'MajorityVote', 'SelfRefine', 'VerifyRefine', 'PaCoRe', 'make_method', 'problem_dir_name', 'checkpoint_path',
-           'bank_path', 'bank_items', 'read_checkpoints', 'run_problem', 'read_problem_checkpoints', 'run_method']
+           'problem_category', 'records_frame', 'StepResult', 'Method', 'TMAS', 'RSE', 'Sampling', 'answer_clusters',
+           'majority_answer', 'MajorityVote', 'SelfRefine', 'VerifyRefine', 'PaCoRe', 'make_method', 'problem_dir_name',
+           'checkpoint_path', 'bank_path', 'bank_items', 'read_checkpoints', 'run_problem', 'read_problem_checkpoints',
+           'run_method']
 
 # %% ../nbs/23_methods.ipynb #7b608a4b
 EMBEDDERS = ('minilm', 'hashing')
@@ -35,16 +36,25 @@ class MethodConfig:
     n_candidates: int = 8
     iterations: int = 1
     seed: int = 0
-    temperature: float = 1.0
-    top_p: float = 0.95
-    top_k: int | None = None
-    max_new_tokens: int = 4096
-    enable_thinking: bool | None = None
+    temperature: float = SamplingConfig.temperature       # the defaults live in SamplingConfig, the one sampling class
+    top_p: float = SamplingConfig.top_p
+    top_k: int | None = SamplingConfig.top_k
+    max_new_tokens: int = SamplingConfig.max_new_tokens
+    enable_thinking: bool | None = SamplingConfig.enable_thinking
+    role_sampling: dict = field(default_factory=dict)      # {role: {setting: value}} overriding the above for one role
     memory_retries: int = 2
     embedder: str = 'minilm'
     templates: dict = field(default_factory=dict)
+    answer_from_truncated: bool = False                    # grade a cut-off output's last finished box (lenient)
 
-    def __post_init__(self): self.validate()
+    DEFAULT_ROLE_SAMPLING = {}   # the method's per-role sampling; `role_sampling` overrides it role by role, setting by setting
+
+    def __post_init__(self):
+        given = self.role_sampling if isinstance(self.role_sampling, dict) else {}
+        merged = {r: dict(v) for r, v in self.DEFAULT_ROLE_SAMPLING.items()}
+        for r, v in given.items(): merged[r] = {**merged.get(r, {}), **(v if isinstance(v, dict) else {'?': v})}
+        self.role_sampling = merged if isinstance(self.role_sampling, dict) else self.role_sampling
+        self.validate()
 
     def validate(self):
         "Raise `ValueError` naming the field and the fix when a setting is out of range."
@@ -61,11 +71,12 @@ class MethodConfig:
         return self
 
     def sampling(self) -> SamplingConfig:
-        "The `SamplingConfig` of every agent call of the run."
-        s = SamplingConfig(self.temperature, self.top_p, self.top_k, self.max_new_tokens, self.seed, self.enable_thinking)
-        from tmas_nb.llm.core import Request
-        Request([{'role': 'user', 'content': 'x'}], temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                max_new_tokens=s.max_new_tokens, enable_thinking=s.enable_thinking)
+        "The `SamplingConfig` of every agent call of the run (checked for every role it overrides)."
+        s = SamplingConfig(self.temperature, self.top_p, self.top_k, self.max_new_tokens, self.seed, self.enable_thinking,
+                           roles=dict(self.role_sampling or {}))
+        for role in ['solution', *s.roles]:
+            try: s.request([{'role': 'user', 'content': 'x'}], role, 'p', 0, 0)
+            except ValueError as e: raise ValueError(f"{type(self).__name__}.role_sampling[{role!r}]: {e}" if role in s.roles else str(e)) from None
         return s
 
     def make_embedder(self):
@@ -85,6 +96,7 @@ class MethodConfig:
 @dataclass
 class TMASConfig(MethodConfig):
     "TMAS: N candidates, M verifications each, T iterations, exploration probability ε, two memory banks."
+    DEFAULT_ROLE_SAMPLING = TMAS_ROLE_SAMPLING
     n_candidates: int = 8
     n_verifications: int = 8
     iterations: int = 20
@@ -116,6 +128,7 @@ class RSEConfig(MethodConfig):
     iterations: int = 4
     mode: str = 'both'
     dedup_threshold: float = RSE_DEDUP_THRESHOLD
+    distill_max_chars: int = DISTILL_MAX_CHARS
 
     def validate(self):
         super().validate()
@@ -150,7 +163,8 @@ def candidate(branch: str, completion: Completion | None = None, solution: str |
               verification: Verification | None = None, n_verifications: int = 0, summary: str | None = None) -> dict:
     "The method-specific part of a record, from a completion (or a given solution text) and its reviews."
     v = verification or Verification()
-    return {'branch': branch, 'solution': completion.text if solution is None else solution,
+    if solution is None: solution = completion.raw if completion.truncated else completion.text   # cut off: kept as written
+    return {'branch': branch, 'solution': solution,
             'finish_reason': completion.finish_reason if completion is not None else 'stop',
             'verification_scores': [float(s) for s in v.scores], 'mean_score': v.mean_score,
             'fully_verified': is_fully_verified(v.scores, n_verifications), 'summary': summary,
@@ -162,16 +176,16 @@ def problem_category(problem: Problem) -> str | None:
         if problem.meta.get(k) not in (None, ''): return str(problem.meta[k])
     return None
 
-def records_frame(records: Sequence[dict]):
-    "The records as a DataFrame with exactly `RECORD_COLUMNS`, in order, with fixed types."
+def records_frame(records):
+    "The records (dicts or a DataFrame) with `RECORD_COLUMNS` first, in order and with fixed types, then any other columns of a DataFrame (the judge columns of `tmas judge`) as they are."
     import pandas as pd
-    df = pd.DataFrame(list(records), columns=list(RECORD_COLUMNS))
+    df = records.copy() if isinstance(records, pd.DataFrame) else pd.DataFrame(list(records), columns=list(RECORD_COLUMNS))
+    df = df[list(RECORD_COLUMNS) + [c for c in df.columns if c not in RECORD_COLUMNS]]
     for col, kind in RECORD_COLUMNS.items():
         if kind == 'int': df[col] = df[col].astype('int64')
         elif kind == 'bool': df[col] = df[col].astype(bool)
-        elif kind == 'float': df[col] = df[col].astype('float64')
-        elif kind == 'float?': df[col] = pd.array([None if x is None or x != x else float(x) for x in df[col]], dtype='Float64')
-        elif kind == 'list<float>': df[col] = [[float(s) for s in x] for x in df[col]]
+        elif kind in ('float', 'float?'): df[col] = pd.to_numeric(df[col], errors='coerce').astype('float64')   # missing: NaN
+        elif kind == 'list<float>': df[col] = [[float(s) for s in x] if x is not None else [] for x in df[col]]
         elif kind in ('str', 'str?'): df[col] = df[col].astype(object).where(df[col].notna(), None)
     return df
 
@@ -204,6 +218,9 @@ class Method:
     def new_banks(self) -> dict: return {}
     def load_bank(self, name: str, path) -> Any: raise KeyError(name)
     def is_last(self, iteration: int) -> bool: return iteration >= self.n_iterations - 1
+    def context(self, problem: Problem, iteration: int) -> AgentContext:
+        "What the agent calls for `problem` at `iteration` share: the sampling settings, the problem, the iteration, the templates."
+        return AgentContext(self.sampling, problem.id, problem.question, iteration, self.config.templates)
 
     async def step(self, llm: LLM, problem: Problem, state: dict, banks: dict, iteration: int) -> StepResult:
         raise NotImplementedError
@@ -237,27 +254,26 @@ class TMAS(Method):
         return 'explore' if u < self.config.epsilon else 'exploit'
 
     async def step(self, llm, problem, state, banks, iteration):
-        c, s, q, pid = self.config, self.sampling, problem.question, problem.id
+        c, ctx = self.config, self.context(problem, iteration)
         exp, guide = banks.get('experience'), banks.get('guideline')
-        branches = [self.branch(pid, iteration, k) for k in range(c.n_candidates)]
+        branches = [self.branch(problem.id, iteration, k) for k in range(c.n_candidates)]
         async def one(k, b):   # each candidate runs its own chain, so reviews start as soon as its solution is done
-            x = await solve(llm, s, q, pid, iteration, k, mode=b, rollouts=state['rollouts'], experience=exp,
-                            guidelines=guide.texts() if guide is not None else (), max_rollouts=c.max_rollouts,
-                            templates=c.templates)
-            v = await verify(llm, s, q, x.text, pid, iteration, k, c.n_verifications, c.templates)
-            return x, v, await summarize(llm, s, q, x.text, v, pid, iteration, k, c.summary_words, c.templates)
+            x = await solve(llm, ctx, k, mode=b, rollouts=state['rollouts'], experience=exp,
+                            guidelines=guide.texts() if guide is not None else (), max_rollouts=c.max_rollouts)
+            v = await verify(llm, ctx, x.final_response, k, c.n_verifications)
+            return x, v, await summarize(llm, ctx, x.final_response, v, k, c.summary_words)
         sols, vers, sums = zip(*await asyncio.gather(*[one(k, b) for k, b in enumerate(branches)]))
         cands = [candidate(b, x, verification=v, n_verifications=c.n_verifications, summary=sm)
                  for b, x, v, sm in zip(branches, sols, vers, sums)]
-        rollouts = [{'solution': x.text, 'summary': sm, 'score': v.mean_score} for x, v, sm in zip(sols, vers, sums)]
+        rollouts = [{'solution': x.final_response, 'summary': sm, 'score': v.mean_score} for x, v, sm in zip(sols, vers, sums)]
         done = c.early_stop and any(x['fully_verified'] for x in cands)
         memory = []
         if not done and (not self.is_last(iteration) or c.update_memory_after_last):
             jobs = []
             if exp is not None and c.n_verifications > 0:
-                jobs.append(update_experience(llm, s, q, rollouts, exp, pid, iteration, c.memory_retries, c.templates))
+                jobs.append(update_experience(llm, ctx, rollouts, exp, c.memory_retries))
             if guide is not None:
-                jobs.append(update_guidelines(llm, s, q, rollouts, guide, pid, iteration, c.memory_retries, c.templates))
+                jobs.append(update_guidelines(llm, ctx, rollouts, guide, c.memory_retries))
             memory = list(await asyncio.gather(*jobs))
         return StepResult(cands, {'rollouts': rollouts}, done, memory)
 
@@ -270,12 +286,12 @@ class RSE(Method):
     def load_bank(self, name, path): return RSEBank.load(path, embedder=self.embedder)
 
     async def step(self, llm, problem, state, banks, iteration):
-        c, s, q, pid, bank = self.config, self.sampling, problem.question, problem.id, banks['rse']
-        cs = await rse_rollouts(llm, s, q, bank if len(bank) else None, pid, iteration, c.n_candidates, c.templates)
+        c, ctx, bank = self.config, self.context(problem, iteration), banks['rse']
+        cs = await rse_rollouts(llm, ctx, bank if len(bank) else None, c.n_candidates)
         memory = []
         if not self.is_last(iteration):
-            memory = list(await asyncio.gather(*[distill(llm, s, q, x.text, None, pid, iteration, k, c.mode,
-                                                         c.memory_retries, c.templates) for k, x in enumerate(cs)]))
+            memory = list(await asyncio.gather(*[distill(llm, ctx, x, None, k, c.mode, c.memory_retries, c.distill_max_chars)
+                                                 for k, x in enumerate(cs)]))
             for u in memory:           # applied in candidate order, so the bank does not depend on timing
                 if u.ok: u.added = apply_distillation(bank, u.answer, c.mode, iteration)
         return StepResult([candidate('rse', x) for x in cs], {}, False, memory)
@@ -285,20 +301,41 @@ class Sampling(Method):
     "N independent samples per iteration."
     name = 'sampling'
     async def step(self, llm, problem, state, banks, iteration):
-        c = self.config
-        cs = await sample(llm, self.sampling, problem.question, problem.id, iteration, c.n_candidates, c.templates)
+        cs = await sample(llm, self.context(problem, iteration), self.config.n_candidates)
         return StepResult([candidate('sample', x) for x in cs], {})
 
+def answer_clusters(answers: Sequence[str | None]) -> list[int | None]:
+    "Per answer, the number of its cluster of mathematically equivalent answers (the grader decides); None for no answer."
+    keys = [clean_answer(a) if a else None for a in answers]
+    distinct = list(dict.fromkeys(k for k in keys if k))
+    pairs = [(i, j) for i in range(len(distinct)) for j in range(i + 1, len(distinct))]
+    parent = list(range(len(distinct)))
+    def root(x):
+        while parent[x] != x: x = parent[x]
+        return x
+    if pairs:
+        from tmas_nb.grading import grade_many_detail
+        same = grade_many_detail(['\\boxed{' + distinct[j] + '}' for _, j in pairs], [distinct[i] for i, _ in pairs], progress=False)
+        for (i, j), r in zip(pairs, same):
+            if r.correct:
+                a, b = root(i), root(j)
+                parent[max(a, b)] = min(a, b)
+    head = {k: root(n) for n, k in enumerate(distinct)}
+    return [head[k] if k else None for k in keys]
+
 def majority_answer(texts: Sequence[str], finish_reasons: Sequence[str] | None = None) -> tuple[int | None, str | None]:
-    "(index of the first text holding the most frequent answer, that answer); (None, None) when no text has one."
+    "(index of the first text whose answer's equivalence cluster is the largest, its answer); (None, None) when no text has one."
     frs = list(finish_reasons) if finish_reasons is not None else [None] * len(texts)
     answers = [extract_answer(t, f) for t, f in zip(texts, frs)]
-    keys = [clean_answer(a) if a is not None else None for a in answers]
-    counts = Counter(k for k in keys if k)
+    clusters = answer_clusters(answers)
+    counts = Counter(k for k in clusters if k is not None)
     if not counts: return None, None
     top = max(counts.values())
-    i = next(i for i, k in enumerate(keys) if k and counts[k] == top)
+    i = next(i for i, k in enumerate(clusters) if k is not None and counts[k] == top)
     return i, answers[i]
+
+def _locked_majority(texts, finish_reasons):
+    with _GRADE_LOCK: return majority_answer(texts, finish_reasons)
 
 class MajorityVote(Method):
     "Majority vote @N: N samples (iteration 0) and the voted answer (iteration 1)."
@@ -309,10 +346,10 @@ class MajorityVote(Method):
     async def step(self, llm, problem, state, banks, iteration):
         c = self.config
         if iteration == 0:
-            cs = await sample(llm, self.sampling, problem.question, problem.id, 0, c.n_candidates, c.templates)
+            cs = await sample(llm, self.context(problem, 0), c.n_candidates)
             return StepResult([candidate('sample', x) for x in cs],
                               {'solutions': [x.text for x in cs], 'finish_reasons': [x.finish_reason for x in cs]})
-        i, _ = majority_answer(state['solutions'], state['finish_reasons'])
+        i, _ = await asyncio.to_thread(_locked_majority, state['solutions'], state['finish_reasons'])
         text, fr = ('', 'stop') if i is None else (state['solutions'][i], state['finish_reasons'][i])
         rec = candidate('majority', None, solution=text); rec['finish_reason'] = fr
         return StepResult([rec], state, True)
@@ -321,46 +358,45 @@ class SelfRefine(Method):
     "N samples, then each refined by the model on its own in every further iteration."
     name = 'self-refine'
     async def step(self, llm, problem, state, banks, iteration):
-        c, s, q, pid = self.config, self.sampling, problem.question, problem.id
+        c, ctx = self.config, self.context(problem, iteration)
         if iteration == 0:
-            cs, branch = await sample(llm, s, q, pid, 0, c.n_candidates, c.templates), 'sample'
+            cs, branch = await sample(llm, ctx, c.n_candidates), 'sample'
         else:
-            cs = await asyncio.gather(*[self_refine(llm, s, q, t, pid, iteration, k, c.templates)
+            cs = await asyncio.gather(*[self_refine(llm, ctx, t, k)
                                         for k, t in enumerate(state['solutions'])])
             branch = 'refine'
-        return StepResult([candidate(branch, x) for x in cs], {'solutions': [x.text for x in cs]})
+        return StepResult([candidate(branch, x) for x in cs], {'solutions': [x.final_response for x in cs]})
 
 class VerifyRefine(Method):
     "N samples, reviewed; each then corrected with its reviews as feedback and reviewed again."
     name = 'verify-refine'
     async def step(self, llm, problem, state, banks, iteration):
-        c, s, q, pid = self.config, self.sampling, problem.question, problem.id
+        c, ctx = self.config, self.context(problem, iteration)
         if iteration == 0:
-            cs, branch = await sample(llm, s, q, pid, 0, c.n_candidates, c.templates), 'sample'
-            vers = await asyncio.gather(*[verify(llm, s, q, x.text, pid, 0, k, c.n_verifications, c.templates)
+            cs, branch = await sample(llm, ctx, c.n_candidates), 'sample'
+            vers = await asyncio.gather(*[verify(llm, ctx, x.final_response, k, c.n_verifications)
                                           for k, x in enumerate(cs)])
         else:
             async def one(k, t, fb):
-                x = await verify_refine(llm, s, q, t, fb, pid, iteration, k, c.templates)
-                return x, await verify(llm, s, q, x.text, pid, iteration, k, c.n_verifications, c.templates)
+                x = await verify_refine(llm, ctx, t, fb, k)
+                return x, await verify(llm, ctx, x.final_response, k, c.n_verifications)
             cs, vers = zip(*await asyncio.gather(*[one(k, t, fb) for k, (t, fb) in
                                                    enumerate(zip(state['solutions'], state['feedback']))]))
             branch = 'verify-refine'
         cands = [candidate(branch, x, verification=v, n_verifications=c.n_verifications) for x, v in zip(cs, vers)]
-        return StepResult(cands, {'solutions': [x.text for x in cs], 'feedback': [v.texts for v in vers]})
+        return StepResult(cands, {'solutions': [x.final_response for x in cs], 'feedback': [v.texts for v in vers]})
 
 class PaCoRe(Method):
     "Rounds of N solutions, each round seeing the previous round's solutions as references."
     name = 'pacore'
     async def step(self, llm, problem, state, banks, iteration):
-        c, s, q, pid = self.config, self.sampling, problem.question, problem.id
+        c, ctx = self.config, self.context(problem, iteration)
         if iteration == 0:
-            cs, branch = await sample(llm, s, q, pid, 0, c.n_candidates, c.templates), 'sample'
+            cs, branch = await sample(llm, ctx, c.n_candidates), 'sample'
         else:
-            cs = await asyncio.gather(*[pacore(llm, s, q, state['solutions'], pid, iteration, k, c.max_references,
-                                               c.templates) for k in range(c.n_candidates)])
+            cs = await asyncio.gather(*[pacore(llm, ctx, state['solutions'], k, c.max_references) for k in range(c.n_candidates)])
             branch = 'pacore'
-        return StepResult([candidate(branch, x) for x in cs], {'solutions': [x.text for x in cs]})
+        return StepResult([candidate(branch, x) for x in cs], {'solutions': [x.final_response for x in cs]})
 
 METHODS: dict[str, type[Method]] = {m.name: m for m in (TMAS, RSE, Sampling, MajorityVote, SelfRefine, VerifyRefine, PaCoRe)}
 "Every method by its command-line name."
@@ -418,9 +454,9 @@ def read_checkpoints(run_dir) -> dict[str, list[dict]]:
 # %% ../nbs/23_methods.ipynb #a2bc090f
 _GRADE_LOCK = threading.Lock()
 
-def _grade(texts: list[str], golds: list[str], finish_reasons: list[str]):
+def _grade(texts: list[str], golds: list[str], finish_reasons: list[str], extract_truncated: bool = False):
     from tmas_nb.grading import grade_many_detail
-    with _GRADE_LOCK: return grade_many_detail(texts, golds, finish_reasons, progress=False)
+    with _GRADE_LOCK: return grade_many_detail(texts, golds, finish_reasons, progress=False, extract_truncated=extract_truncated)
 
 async def run_problem(method: Method, problem: Problem, llm: LLM, run_dir, bar=None) -> list[dict]:
     "Run (or resume) one problem to its last iteration, checkpointing each iteration; returns its records."
@@ -438,7 +474,8 @@ async def run_problem(method: Method, problem: Problem, llm: LLM, run_dir, bar=N
         t0, meter = time.perf_counter(), MeteredLLM(llm)
         res = await method.step(meter, problem, state, banks, it)
         texts = [c['solution'] for c in res.candidates]
-        graded = await asyncio.to_thread(_grade, texts, [problem.answer] * len(texts), [c['finish_reason'] for c in res.candidates])
+        graded = await asyncio.to_thread(_grade, texts, [problem.answer] * len(texts), [c['finish_reason'] for c in res.candidates],
+                                       method.config.answer_from_truncated)
         wall = time.perf_counter() - t0
         recs = [{'method': method.name, 'problem_id': problem.id, 'iteration': it, 'candidate': k, **c,
                  'answer': g.answer, 'correct': bool(g.correct), 'gold': problem.answer,

@@ -4,13 +4,13 @@
 
 # %% ../nbs/90_reporting.ipynb #cb9c65e8
 from __future__ import annotations
-import argparse, json, sys, time
+import argparse, glob, json, sys, time
 from pathlib import Path
 
-from .core import repo_root
+from .core import repo_root, find_data_dir, DATA_HINT
 
 # %% auto #0
-__all__ = ['reports_dir', 'list_reports', 'run_report', 'add_cli']
+__all__ = ['REPORT_INPUTS', 'reports_dir', 'list_reports', 'run_report', 'report_defaults', 'missing_input', 'add_cli']
 
 # %% ../nbs/90_reporting.ipynb #55f9aab8
 def reports_dir() -> Path:
@@ -36,23 +36,127 @@ def run_report(name: str, out: str | Path = 'reports/out', parameters: dict | No
                         kernel_name=kernel or 'python3', language='python', progress_bar=progress)
     return dest
 
+# %% ../nbs/90_reporting.ipynb #9bc74dea
+_RUN_HINT = 'tmas run --method {method} --benchmark demo --model default --limit 20 --out runs/demo_{method}'
+
+REPORT_INPUTS = {  # report: (input, run methods it needs / the path parameter it reads, the command that makes the input)
+    'autotts_table': ('data', None, 'tmas data fetch autotts (or set TMAS_DATA_DIR)'),
+    'autotts_scaling': ('data', None, 'tmas data fetch autotts (or set TMAS_DATA_DIR)'),
+    'replay_benchmark': ('data', None, 'tmas data fetch autotts (or set TMAS_DATA_DIR)'),
+    'compute': ('runs', None, _RUN_HINT.format(method='tmas')),
+    'tmas_iterations': ('runs', None, _RUN_HINT.format(method='tmas')),
+    'tmas_ablation': ('runs', {'tmas'}, _RUN_HINT.format(method='tmas')),
+    'rse_tables': ('runs', {'rse'}, _RUN_HINT.format(method='rse')),
+    'verification_paradox': ('runs', {'tmas', 'verify-refine'}, _RUN_HINT.format(method='tmas')),
+    'autotts_discovery': ('path', 'run_dir', ('tmas discover --proposer default --rounds 3 --train Qwen3-1.7B:aime24 '
+                                   '--heldout Qwen3-1.7B:aime25,Qwen3-4B:aime25 --seeds 5 --out runs/discovery_demo')),
+    'replay_build': ('path', 'store_file', ('tmas replay build --model default --benchmark demo --limit 10 --branches 16 --probe-every 64 '
+                                 '--max-new-tokens 512 --seed 0 --out runs/replay_build/default_demo.json')),
+    'llm_throughput': ('model', None, 'tmas report llm_throughput'),
+    'cpu_engines': ('model', None, 'tmas report cpu_engines'),
+    'rl_training': ('path', 'demo_dir', ('tmas rl train --model smollm2 --task toy --reward standard --max-steps 30 --num-generations 8 '
+                                 '--max-completion-length 8 --seed 0 --out /tmp/tmas_rl_demo/standard, then the same with '
+                                 '--reward hybrid --out /tmp/tmas_rl_demo/hybrid')),
+}
+
+def report_defaults(name: str) -> dict:
+    "The literal values of report `name`'s `parameters` cell."
+    import ast, nbformat
+    nb = nbformat.read(reports_dir() / f'{name}.ipynb', as_version=4)
+    out = {}
+    for c in nb.cells:
+        if c.cell_type == 'code' and 'parameters' in c.metadata.get('tags', []):
+            for node in ast.parse(c.source).body:
+                if isinstance(node, (ast.Assign, ast.AnnAssign)):
+                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                    try: v = ast.literal_eval(node.value)
+                    except (ValueError, SyntaxError): continue
+                    for t in targets:
+                        if isinstance(t, ast.Name): out[t.id] = v
+    return out
+
+def _run_methods(runs) -> list[str]:
+    "The `method` of every run folder that `runs` (a glob string or a list of folders) names."
+    pats = [runs] if isinstance(runs, str) else list(runs or [])
+    out = []
+    for pat in pats:
+        for d in (sorted(glob.glob(str(pat))) if glob.has_magic(str(pat)) else [str(pat)]):
+            cfg = Path(d) / 'config.json'
+            if cfg.is_file():
+                try: out.append(json.loads(cfg.read_text(encoding='utf-8')).get('method', ''))
+                except (json.JSONDecodeError, AttributeError): out.append('')
+    return out
+
+def missing_input(name: str, parameters: dict | None = None) -> str | None:
+    "What report `name` lacks to run with `parameters` (and the command that makes it), or None when it can run."
+    kind, methods, make = REPORT_INPUTS.get(name, (None, None, ''))
+    p = {**(report_defaults(name) if kind else {}), **(parameters or {})}
+    if kind == 'data':
+        try: root = find_data_dir(p.get('data_dir'))
+        except FileNotFoundError as e: return f"{e}"
+        if root is None or not ((root / 'autotts_replay').is_dir() or root.name == 'autotts_replay'):
+            return f"needs the AutoTTS replay stores and found no data folder; get them with `{make}`. {DATA_HINT}"
+    if kind == 'path':
+        path = p.get(methods)
+        if not path or not Path(path).exists():
+            return f"needs {methods}={path!r}, which does not exist; make it with `{make}`"
+    if kind == 'runs':
+        runs = p.get('runs', 'runs/*')
+        found = _run_methods(runs)
+        want = f"a run folder of method {' or '.join(sorted(methods))}" if methods else 'run folders'
+        if not found or (methods and not set(found) & methods):
+            return f"needs {want} (runs={runs!r} matched {len(found)} run folder(s)); make one with `{make}`"
+    return None
+
 # %% ../nbs/90_reporting.ipynb #1b10847f
+def _parse_value(v: str):
+    "A `-p` value: papermill's reading (True/False/None/int/float/str), and JSON for lists, objects and quoted strings."
+    from papermill.cli import _resolve_type
+    if v.lstrip()[:1] in ('[', '{', '"'):
+        try: return json.loads(v)
+        except json.JSONDecodeError as e: raise ValueError(f"-p value {v!r} looks like JSON but is not valid ({e.msg})") from None
+    return _resolve_type(v)
+
 def _parse_params(items) -> dict:
     out = {}
     for it in items or []:
         k, eq, v = it.partition('=')
-        if not eq or not k: raise ValueError(f"-p expects key=value, got {it!r}")
-        try: out[k.strip()] = json.loads(v)
-        except json.JSONDecodeError: out[k.strip()] = v
+        if not eq or not k.strip(): raise ValueError(f"-p expects key=value, got {it!r}")
+        out[k.strip()] = _parse_value(v)
     return out
 
+def _one_line(e: BaseException) -> str:
+    from tmas_nb.cli import error_message
+    return error_message(e) or f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+
 def _cmd_report(args) -> int:
-    names = list_reports() if args.name == 'all' else [args.name]
     params = _parse_params(args.param)
-    for n in names:
+    if args.name != 'all':
+        if args.name in list_reports() and (lack := missing_input(args.name, params)):
+            raise FileNotFoundError(f"report {args.name} {lack}")
         t = time.perf_counter()
-        d = run_report(n, args.out, params, progress=not args.quiet)
-        print(f"{n}: {time.perf_counter() - t:.1f} s -> {d}")
+        try: d = run_report(args.name, args.out, params, progress=not args.quiet)
+        except Exception as e:
+            from tmas_nb.cli import error_message, UserError
+            if type(e).__name__ == 'PapermillExecutionError' and (msg := error_message(e)):
+                raise UserError(f"report {args.name}: {msg} (see {Path(args.out).resolve() / args.name / (args.name + '.ipynb')})") from e
+            raise
+        print(f"{args.name}: {time.perf_counter() - t:.1f} s -> {d}")
+        return 0
+    done, skipped, failed = [], [], []
+    for n in list_reports():
+        if REPORT_INPUTS.get(n, ('',))[0] == 'model':
+            print(f"{n}: skipped — it calls a model; run it by name: tmas report {n}"); skipped.append(n); continue
+        if lack := missing_input(n, params):
+            print(f"{n}: skipped — {lack}"); skipped.append(n); continue
+        t = time.perf_counter()
+        try: d = run_report(n, args.out, params, progress=not args.quiet)
+        except Exception as e:
+            print(f"{n}: failed — {_one_line(e)}"); failed.append(n); continue
+        print(f"{n}: {time.perf_counter() - t:.1f} s -> {d}"); done.append(n)
+    print(f"{len(done)} reports written, {len(skipped)} skipped, {len(failed)} failed")
+    if failed: raise ValueError(f"{len(failed)} report(s) failed: {', '.join(failed)}; "
+                                f"the executed notebooks under {Path(args.out) / '<name>'} show where")
     return 0
 
 def add_cli(sub) -> None:

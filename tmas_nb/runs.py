@@ -4,7 +4,7 @@
 
 # %% ../nbs/24_runs.ipynb #7255e444
 from __future__ import annotations
-import argparse, datetime, io, json, os, platform, sys, time
+import argparse, datetime, io, json, os, platform, re, sys, time
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -15,14 +15,20 @@ from .methods import (METHODS, RECORD_COLUMNS, MethodConfig, make_method, read_c
                              run_method)
 
 # %% auto #0
-__all__ = ['RUN_FILES', 'IDENTITY_KEYS', 'record_schema', 'bank_schema', 'write_parquet', 'versions', 'RunConfigMismatch',
-           'run_config', 'prepare_run_dir', 'collect_run', 'finish_run', 'write_status', 'read_status',
-           'pass_at_1_by_iteration', 'best_candidates', 'Run', 'load_run', 'start_run', 'config_from_args', 'add_cli',
-           'main']
+__all__ = ['RUN_FILES', 'FINISHED_FILES', 'BANK_COLUMNS', 'IDENTITY_KEYS', 'TMAS_VARIANTS', 'PAPER_TOKEN_BUDGET', 'PRESETS',
+           'PRESET_HELP', 'record_schema', 'bank_schema', 'write_parquet', 'versions', 'RunConfigMismatch',
+           'run_config', 'prepare_run_dir', 'collect_run', 'finish_run', 'write_status', 'read_status', 'judge_columns',
+           'grading_label', 'carry_forward', 'pass_at_1_by_iteration', 'tmas_variant', 'run_label', 'best_candidates',
+           'Run', 'banks_frame', 'load_run', 'record_server', 'start_run', 'preset_settings', 'model_context_length',
+           'cap_to_context', 'config_from_args', 'add_cli']
 
 # %% ../nbs/24_runs.ipynb #e90ea9e1
 RUN_FILES = ('config.json', 'calls.sqlite', 'checkpoints', 'banks', 'records.parquet', 'banks.parquet',
              'usage.json', 'status.json')
+FINISHED_FILES = ('records.parquet', 'banks.parquet', 'usage.json')
+"What `finish_run` writes from the checkpoints when a run ends."
+BANK_COLUMNS = ('problem_id', 'iteration', 'bank', 'items', 'n_items')
+"The columns of `banks.parquet`: one snapshot of one memory bank of one problem after one iteration."
 IDENTITY_KEYS = ('method', 'config', 'benchmark', 'problem_ids', 'model', 'backend')
 "The parts of `config.json` that must match for a rerun on the same folder to resume it."
 
@@ -36,8 +42,7 @@ def record_schema():
 def bank_schema():
     "The pyarrow schema of `banks.parquet`."
     import pyarrow as pa
-    return pa.schema([('problem_id', pa.string()), ('iteration', pa.int64()), ('bank', pa.string()),
-                      ('items', pa.list_(pa.string())), ('n_items', pa.int64())])
+    return pa.schema(list(zip(BANK_COLUMNS, (pa.string(), pa.int64(), pa.string(), pa.list_(pa.string()), pa.int64()))))
 
 def write_parquet(path, rows: list[dict], schema) -> Path:
     "Write `rows` (dicts) with exactly `schema` to `path`, atomically."
@@ -62,10 +67,11 @@ class RunConfigMismatch(ValueError):
     "A run folder holds a run with a different configuration."
 
 def run_config(method: str, config: MethodConfig, benchmark: str, problem_ids: Sequence[str], model: str,
-               backend: str = 'transformers', base_url: str | None = None, limit: int | None = None) -> dict:
+               backend: str = 'transformers', base_url: str | None = None, limit: int | None = None,
+               preset: str | None = None) -> dict:
     "The contents of `config.json` for a new run."
     from tmas_nb.llm.models import canonical_model_name
-    return {'method': method, 'config': config.to_dict(), 'benchmark': str(benchmark), 'limit': limit,
+    return {'method': method, 'config': config.to_dict(), 'benchmark': str(benchmark), 'limit': limit, 'preset': preset,
             'problem_ids': [str(p) for p in problem_ids], 'model': model,
             'model_id': canonical_model_name(model) if backend == 'transformers' else model,
             'backend': backend, 'base_url': base_url,
@@ -142,20 +148,71 @@ def write_status(run_dir, complete: bool, wall_s: float, **extra) -> dict:
     atomic_write_json(Path(run_dir) / 'status.json', st)
     return st
 
+def _read_json(path: Path) -> dict:
+    try: return json.loads(Path(path).read_text(encoding='utf-8'))
+    except json.JSONDecodeError as e: raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); rerun the run to rewrite it") from None
+
 def read_status(run_dir) -> dict:
-    "`status.json` of a run (incomplete, 0 s when absent)."
+    "`status.json` of a run; without one (a folder written by hand), complete exactly when the files of `finish_run` are there, 0 s."
     p = Path(run_dir) / 'status.json'
-    return json.loads(p.read_text(encoding='utf-8')) if p.exists() else {'complete': False, 'wall_s': 0.0}
+    if p.exists(): return _read_json(p)
+    return {'complete': all((Path(run_dir) / f).exists() for f in FINISHED_FILES), 'wall_s': 0.0}
 
 # %% ../nbs/24_runs.ipynb #e0d5e680
-def pass_at_1_by_iteration(records) -> list[dict]:
-    "Per iteration: mean over problems of (correct candidates / candidates), and the number of candidates."
+def judge_columns(records) -> list[str]:
+    "Columns holding repeated gradings of the candidates (`correct_judge<k>`), in order."
+    cols = [c for c in records.columns if re.fullmatch(r'correct_judge\d+', str(c))]
+    return sorted(cols, key=lambda c: int(c.rsplit('judge', 1)[1]))
+
+def grading_label(judge: dict | None) -> str:
+    "Which grading produced a run's Pass@1, from its judge.json (None or empty: the rule-based grader)."
+    if not judge: return 'rule-based grader'
+    who = f"LLM judge {judge.get('judge')}, mean of {judge.get('runs')} runs"
+    return f"rule-based grader; {who} for free-form answers" if judge.get('scope') == 'text' else who
+
+def carry_forward(records, last_iteration: int | None = None):
+    "The records plus, for every problem that stopped before `last_iteration`, its last iteration's candidates repeated at each later iteration (`carried` True)."
+    import pandas as pd
+    rec = records.assign(carried=False)
+    if len(rec) == 0: return rec
+    last = int(rec['iteration'].max()) if last_iteration is None else int(last_iteration)
+    ends = rec.groupby('problem_id', sort=False)['iteration'].max()
+    extra = [rec[(rec['problem_id'] == pid) & (rec['iteration'] == end)].assign(iteration=it, carried=True)
+             for pid, end in ends.items() if end < last for it in range(int(end) + 1, last + 1)]
+    return pd.concat([rec, *extra], ignore_index=True) if extra else rec
+
+def pass_at_1_by_iteration(records, judges: Sequence[str] | str | None = 'auto'):
+    "Per iteration: Pass@1 (mean over problems of correct / candidates, early-stopped problems carried forward), candidates, problems; over the judge columns when present ('auto'), `None`: rule-based only."
+    import numpy as np, pandas as pd
+    cols = judge_columns(records) if judges == 'auto' else list(judges or [])
+    cols = cols or ['correct']
+    judged = cols != ['correct']
     out = []
-    if len(records) == 0: return out
-    for it, g in records.groupby('iteration', sort=True):
-        per_problem = g.groupby('problem_id', sort=False)['correct'].mean()
-        out.append({'iteration': int(it), 'pass_at_1': float(per_problem.mean()), 'candidates': int(len(g))})
-    return out
+    for it, g in (carry_forward(records).groupby('iteration', sort=True) if len(records) else []):
+        per_col = [float(g.groupby('problem_id')[c].mean().mean()) for c in cols]
+        row = {'iteration': int(it), 'pass_at_1': float(np.mean(per_col)), 'candidates': int((~g['carried']).sum()),
+               'problems': int(g['problem_id'].nunique()), 'carried_problems': int(g.loc[g['carried'], 'problem_id'].nunique())}
+        if judged: row.update(judges=len(cols), pass_at_1_std=float(np.std(per_col, ddof=1)) if len(cols) > 1 else float('nan'))
+        out.append(row)
+    return pd.DataFrame(out, columns=['iteration', 'pass_at_1', 'candidates', 'problems', 'carried_problems'] + (['judges', 'pass_at_1_std'] if judged else []))
+
+# %% ../nbs/24_runs.ipynb #d2b024c3
+TMAS_VARIANTS = {(True, True): 'full', (False, True): '−experience', (True, False): '−guideline', (False, False): '−both'}
+"TMAS component ablations by (use_experience, use_guidelines)."
+
+def tmas_variant(config: dict) -> str:
+    "'full', '−experience', '−guideline' or '−both' from a TMAS run's switches (`config.json` or its `config` part)."
+    c = config.get('config', config)
+    return TMAS_VARIANTS[(bool(c.get('use_experience', True)), bool(c.get('use_guidelines', True)))]
+
+def run_label(config: dict) -> str:
+    "A short name of the run's method and variant, e.g. 'tmas', 'tmas −guideline', 'rse positive', 'mv'."
+    m, c = config.get('method', '?'), config.get('config') or {}
+    if m == 'tmas':
+        v = tmas_variant(c)
+        return 'tmas' if v == 'full' else f'tmas {v}'
+    if m == 'rse' and c.get('mode', 'both') != 'both': return f"rse {c['mode']}"
+    return m
 
 def best_candidates(records):
     "Per problem and iteration, the candidate with the highest mean verification score (ties and no scores: the lowest candidate number)."
@@ -164,67 +221,121 @@ def best_candidates(records):
     r = r.sort_values(['problem_id', 'iteration', '_score', 'candidate'], ascending=[True, True, False, True], kind='stable')
     return r.drop_duplicates(['problem_id', 'iteration']).drop(columns='_score').reset_index(drop=True)
 
-@dataclass
+# %% ../nbs/24_runs.ipynb #a6ecc485
+@dataclass(eq=False)
 class Run:
-    "A run folder opened for reading: `config`, `records` (DataFrame), `banks` (DataFrame), `usage`, `status`."
+    "A run folder opened for reading: `config`, `records` and `banks` (DataFrames), `usage`, `status`, `judge` (judge.json, empty when not judged)."
     run_dir: Path
     config: dict
     records: Any
     banks: Any
-    usage: dict
-    status: dict
-    memory_events: list = field(default_factory=list)
+    usage: dict = field(default_factory=dict)
+    status: dict = field(default_factory=dict)
+    judge: dict = field(default_factory=dict)
+    events: list | None = field(default=None, repr=False)   # memory-agent events; read from the checkpoints when first asked for
 
+    def __post_init__(self): self.run_dir = Path(self.run_dir)
     @property
-    def complete(self) -> bool: return bool(self.status.get('complete'))
+    def memory_events(self) -> list:
+        "Every memory-agent update of the run (agent, ok, attempts, error), from its checkpoints."
+        if self.events is None: self.events = collect_run(self.run_dir, self.config.get('problem_ids'))[3]
+        return self.events
+    @property
+    def method(self) -> str: return str(self.config.get('method', ''))
+    @property
+    def settings(self) -> dict: return dict(self.config.get('config') or {})
+    @property
+    def model(self) -> str: return str(self.config.get('model', ''))
+    @property
+    def label(self) -> str: return run_label(self.config)
+    @property
+    def complete(self) -> bool: return bool(self.status.get('complete', False))
+    @property
+    def n_problems(self) -> int:
+        "Problems of the run: those in its config when it finished, else those with a checkpointed record so far."
+        ids = self.config.get('problem_ids')
+        if ids and self.complete: return len(ids)
+        return int(self.records['problem_id'].nunique())
 
     def best(self):
         "The best candidate (highest mean verification score) per problem and iteration; see `best_candidates`."
         return best_candidates(self.records)
 
     def summary(self) -> dict:
-        "The run's summary: method, problems, pass@1 per iteration, completion tokens per role, completeness."
-        return {'method': self.config['method'],
-                'problems': len(self.config.get('problem_ids') or self.records['problem_id'].unique()),
-                'iterations': pass_at_1_by_iteration(self.records),
-                'tokens_by_role': {r: int(d.get('completion_tokens', 0)) for r, d in sorted(self.usage.get('by_role', {}).items())},
-                'complete': self.complete}
+        "The run's summary: method, problems, Pass@1 per iteration (over the judge columns when judged), completion tokens per role, completeness."
+        curve = pass_at_1_by_iteration(self.records)
+        judged = 'judges' in curve.columns
+        def point(r):
+            d = {'iteration': int(r.iteration), 'pass_at_1': float(r.pass_at_1), 'candidates': int(r.candidates)}
+            if judged: d.update(judges=int(r.judges), pass_at_1_std=None if r.pass_at_1_std != r.pass_at_1_std else float(r.pass_at_1_std))
+            return d
+        s = {'method': self.method, 'problems': self.n_problems, 'iterations': [point(r) for r in curve.itertuples()],
+             'tokens_by_role': {r: int(d.get('completion_tokens', 0)) for r, d in sorted(self.usage.get('by_role', {}).items())},
+             'complete': self.complete}
+        if judged: s['grading'] = grading_label(self.judge)
+        return s
 
     def __repr__(self):
-        return (f"Run({str(self.run_dir)!r}, method={self.config['method']!r}, records={len(self.records)}, "
-                f"complete={self.complete})")
+        return f"Run({str(self.run_dir)!r}, {self.label!r}, records={len(self.records)}, complete={self.complete})"
+
+# %% ../nbs/24_runs.ipynb #a1f31675
+def _checked(df, columns, path: Path):
+    missing = [c for c in columns if c not in df.columns]
+    if missing: raise ValueError(f"{path}: missing column(s) {missing}; it was written by an older version, rerun `tmas run` into a new --out folder")
+    return df
+
+def banks_frame(banks):
+    "Bank snapshot rows (dicts or a DataFrame) as a DataFrame with `BANK_COLUMNS`, `items` as lists."
+    import pandas as pd
+    b = banks.copy() if isinstance(banks, pd.DataFrame) else pd.DataFrame(list(banks), columns=list(BANK_COLUMNS))
+    b['items'] = [list(x) if x is not None else [] for x in b['items']]
+    return b
 
 def load_run(run_dir) -> Run:
-    "Open a run folder (complete, or interrupted: then its records come from the checkpoints)."
+    "Open a run folder: finished, from its files (records keep extra columns such as the judge columns); interrupted, from its checkpoints."
     import pandas as pd
     run_dir = Path(run_dir)
-    path = run_dir / 'config.json'
-    if not path.exists(): raise FileNotFoundError(f"{run_dir}: no config.json, so this is not a run folder; create one with `tmas run ... --out {run_dir}`")
-    cfg = json.loads(path.read_text(encoding='utf-8'))
-    status = read_status(run_dir)
-    records, banks, usage_by_role, events = collect_run(run_dir, cfg.get('problem_ids'))
-    if status.get('complete') and (run_dir / 'records.parquet').exists():
-        import pyarrow.parquet as pq
-        records = pq.read_table(run_dir / 'records.parquet').to_pylist()
-        banks = pq.read_table(run_dir / 'banks.parquet').to_pylist()
-        usage = json.loads((run_dir / 'usage.json').read_text(encoding='utf-8'))
-    else:
-        usage = {'by_role': usage_by_role}
-    rec = records_frame(records)
-    bk = pd.DataFrame(banks, columns=['problem_id', 'iteration', 'bank', 'items', 'n_items'])
-    return Run(run_dir, cfg, rec, bk, usage, status, events)
+    if not (run_dir / 'config.json').exists():
+        raise FileNotFoundError(f"{run_dir}: no config.json, so this is not a run folder; create one with `tmas run --method ... --out {run_dir}`")
+    cfg, status = _read_json(run_dir / 'config.json'), read_status(run_dir)
+    judge = _read_json(run_dir / 'judge.json') if (run_dir / 'judge.json').exists() else {}
+    missing = [f for f in FINISHED_FILES if not (run_dir / f).exists()]
+    has_checkpoints = (run_dir / 'checkpoints').is_dir()
+    if not missing and (status.get('complete') or not has_checkpoints):
+        rec = _checked(pd.read_parquet(run_dir / 'records.parquet'), RECORD_COLUMNS, run_dir / 'records.parquet')
+        banks = _checked(pd.read_parquet(run_dir / 'banks.parquet'), BANK_COLUMNS, run_dir / 'banks.parquet')
+        return Run(run_dir, cfg, records_frame(rec), banks_frame(banks), _read_json(run_dir / 'usage.json'), status, judge)
+    if has_checkpoints:
+        records, banks, usage_by_role, events = collect_run(run_dir, cfg.get('problem_ids'))
+        return Run(run_dir, cfg, records_frame(records), banks_frame(banks), {'by_role': usage_by_role}, status, judge, events)
+    raise FileNotFoundError(f"{run_dir}: missing {', '.join(missing)}; the run has not finished. Rerun the same "
+                            f"`tmas run ... --out {run_dir}` command to finish it (it resumes), or leave this folder out.")
 
 # %% ../nbs/24_runs.ipynb #5227c541
+def record_server(run_dir, llm) -> dict | None:
+    "Note in `config.json` what the server behind `llm` answered with: model name, token-count source, `n` limit."
+    from tmas_nb.llm.openai_backend import OpenAIBackend
+    inner = getattr(llm, 'backend', llm)
+    if not isinstance(inner, OpenAIBackend): return None
+    path = Path(run_dir) / 'config.json'
+    cfg = json.loads(path.read_text(encoding='utf-8'))
+    new = {k: v for k, v in inner.record().items() if v not in (None, {})}
+    cfg['server'] = {**cfg.get('server', {}), **new}
+    if cfg['server'].get('served_model'): cfg['model_id'] = cfg['server']['served_model']
+    atomic_write_json(path, cfg)
+    return cfg['server']
+
 async def start_run(method: str, problems, config: MethodConfig | dict | None, run_dir, model: str = 'default',
                     backend: str = 'transformers', benchmark: str = '', llm=None, base_url: str | None = None,
-                    limit: int | None = None, concurrency: int = 4, progress: bool = True, **llm_kw) -> Run:
+                    limit: int | None = None, concurrency: int = 4, progress: bool = True, preset: str | None = None,
+                    **llm_kw) -> Run:
     "Run (or resume) `method` on `problems` into `run_dir`; returns the finished `Run`."
     from tmas_nb.llm.cache import CachedLLM
-    from tmas_nb.llm.core import load_llm
+    from tmas_nb.llm.core import load_llm, engine_stats
     m = make_method(method, config)
     problems = list(problems)
     run_dir = Path(run_dir)
-    prepare_run_dir(run_dir, run_config(method, m.config, benchmark, [p.id for p in problems], model, backend, base_url, limit))
+    prepare_run_dir(run_dir, run_config(method, m.config, benchmark, [p.id for p in problems], model, backend, base_url, limit, preset))
     before = read_status(run_dir)
     write_status(run_dir, False, before.get('wall_s', 0.0), invocations=before.get('invocations', 0) + 1)
     t0 = time.perf_counter()
@@ -240,22 +351,74 @@ async def start_run(method: str, problems, config: MethodConfig | dict | None, r
                  'model_loaded': getattr(getattr(cached, 'backend', None), 'loaded', True)}
     finally:
         wall = before.get('wall_s', 0.0) + time.perf_counter() - t0
+        engines = engine_stats(cached)   # engines used and any fallback between them
+        record_server(run_dir, cached)
         if llm is None: cached.close()
         else: cached.store.close()
     finish_run(run_dir, stats)
-    write_status(run_dir, True, wall, invocations=before.get('invocations', 0) + 1, last_invocation_cache=stats)
+    write_status(run_dir, True, wall, invocations=before.get('invocations', 0) + 1, last_invocation_cache=stats,
+                 last_invocation_engines=engines)
     return load_run(run_dir)
 
 # %% ../nbs/24_runs.ipynb #d606cdf3
 _FLAG_FIELDS = {'n_candidates': 'n-candidates', 'n_verifications': 'n-verifications', 'iterations': 'iterations',
                 'epsilon': 'epsilon', 'seed': 'seed', 'max_new_tokens': 'max-new-tokens',
-                'temperature': 'temperature', 'top_p': 'top-p'}
+                'temperature': 'temperature', 'top_p': 'top-p', 'top_k': 'top-k',
+                'answer_from_truncated': 'answer-from-truncated'}
+
+PAPER_TOKEN_BUDGET = 128_000
+"TMAS's released settings: up to 128k output tokens per call (capped by the model's context at run time)."
+
+PRESETS: dict[str, dict[str, dict]] = {
+    'paper': {
+        'tmas': dict(n_candidates=8, n_verifications=8, iterations=20, epsilon=0.2, temperature=1.0, top_p=0.95,
+                     max_new_tokens=PAPER_TOKEN_BUDGET),
+        'rse': dict(n_candidates=32, iterations=4, temperature=0.6, top_p=0.95, top_k=20, max_new_tokens=38_000),
+        'mv': dict(n_candidates=64, temperature=1.0, top_p=0.95, max_new_tokens=PAPER_TOKEN_BUDGET),
+        '*': dict(n_candidates=8, iterations=20, temperature=1.0, top_p=0.95, max_new_tokens=PAPER_TOKEN_BUDGET)},
+    'cpu-demo': {
+        'tmas': dict(n_candidates=2, n_verifications=2, iterations=3, max_new_tokens=384, embedder='hashing'),
+        'rse': dict(n_candidates=4, iterations=3, max_new_tokens=384, embedder='hashing'),
+        '*': dict(n_candidates=4, iterations=2, max_new_tokens=384)}}
+"Named settings for `tmas run --preset`: the papers' protocols and what runs on a CPU; '*' is every other method."
+
+PRESET_HELP = ("paper: TMAS N=8, M=8, T=20, eps=0.2, 128k tokens per call capped by the model's context (summary and "
+               "memory agents at temperature 0.6, the rest 1.0, top-p 0.95); RSE K=32, R=4 rounds, T=0.6, top-p 0.95, "
+               "top-k 20, 38k tokens; mv N=64; other baselines N=8, T=20. cpu-demo: TMAS N=2, M=2, T=3; RSE K=4, R=3; "
+               "others N=4, T=2; 384 tokens and the hashing embedder. Flags and --config override the preset; the "
+               "preset is recorded in config.json.")
+
+def preset_settings(preset: str | None, method: str) -> dict:
+    "The settings `preset` gives `method` (empty for no preset)."
+    if preset is None: return {}
+    if preset not in PRESETS: raise ValueError(f"--preset {preset!r} is unknown; use one of {', '.join(PRESETS)}")
+    p = PRESETS[preset]
+    return dict(p.get(method, p['*']))
+
+def model_context_length(model: str, backend: str = 'transformers') -> int | None:
+    "The context length (tokens) of a local or packaged model from its config.json; None when it cannot be read."
+    if backend != 'transformers': return None
+    try:
+        from tmas_nb.llm.models import resolve_model
+        p = Path(resolve_model(model)) / 'config.json'
+        d = json.loads(p.read_text(encoding='utf-8'))
+    except (OSError, ValueError, ImportError): return None
+    d = d.get('text_config', d)
+    n = d.get('max_position_embeddings') or d.get('n_positions')
+    return int(n) if n else None
+
+def cap_to_context(max_new_tokens: int, context: int | None, prompt_room: int = 4096) -> int:
+    "`max_new_tokens` capped so that a prompt of `prompt_room` tokens still fits (half the context when it is small)."
+    if not context: return max_new_tokens
+    room = prompt_room if context > 2 * prompt_room else context // 2
+    return max(1, min(max_new_tokens, context - room))
 
 def config_from_args(method: str, args) -> MethodConfig:
-    "The method's config: defaults, then `--config FILE.json`, then the flags that were given."
+    "The method's config: defaults, then `--preset`, then `--config FILE.json`, then the flags that were given."
     if method not in METHODS: raise ValueError(f"--method {method!r} is unknown; use one of {', '.join(METHODS)}")
     cls = METHODS[method].config_class
-    settings: dict = {}
+    names0 = {f.name for f in __import__('dataclasses').fields(cls)}
+    settings: dict = {k: v for k, v in preset_settings(getattr(args, 'preset', None), method).items() if k in names0}
     if getattr(args, 'config', None):
         p = Path(args.config)
         if not p.is_file(): raise FileNotFoundError(f"--config {p}: no such file")
@@ -278,14 +441,27 @@ def _cmd_run(args) -> int:
     from tmas_nb.data import load_benchmark, first_k
     from tmas_nb.llm.core import run_sync
     os.environ.setdefault('HF_HUB_OFFLINE', '1')
+    from tmas_nb.data import read_problem_ids, select_problems
     config = config_from_args(args.method, args)
+    if args.preset is not None and args.max_new_tokens is None and 'max_new_tokens' in preset_settings(args.preset, args.method):
+        ctx = model_context_length(args.model, args.backend)
+        capped = cap_to_context(config.max_new_tokens, ctx)
+        if capped != config.max_new_tokens:
+            print(f"--preset {args.preset}: max_new_tokens {config.max_new_tokens} capped to {capped} by the model's context of {ctx} tokens", file=sys.stderr)
+            config = type(config).from_dict({**config.to_dict(), 'max_new_tokens': capped})
+        elif ctx is None: print(f"--preset {args.preset}: the model's context is unknown here; max_new_tokens stays {config.max_new_tokens}", file=sys.stderr)
     problems = load_benchmark(args.benchmark)
+    if args.problem_ids: problems = select_problems(problems, read_problem_ids(args.problem_ids))
     if args.limit is not None: problems = first_k(problems, args.limit)
     bench = args.benchmark if not Path(args.benchmark).exists() else str(Path(args.benchmark).resolve())
     kw = {'num_threads': args.threads} if args.backend == 'transformers' and args.threads else {}
+    if getattr(args, 'max_n_per_call', None) is not None:
+        if args.backend != 'openai': raise ValueError("--max-n-per-call applies to --backend openai only")
+        if args.max_n_per_call < 1: raise ValueError(f"--max-n-per-call must be >= 1, got {args.max_n_per_call}")
+        kw['max_n_per_call'] = args.max_n_per_call
     run = run_sync(start_run(args.method, problems, config, args.out, model=args.model, backend=args.backend,
                              benchmark=bench, base_url=args.base_url, limit=args.limit,
-                             concurrency=args.concurrency, progress=not args.quiet, **kw))
+                             concurrency=args.concurrency, progress=not args.quiet, preset=args.preset, **kw))
     s, cache = run.summary(), run.status.get('last_invocation_cache', {})
     curve = ', '.join(f"{i['iteration']}: {i['pass_at_1']:.3f}" for i in s['iterations'])
     print(f"{args.method} on {s['problems']} problems -> {run.run_dir}; pass@1 by iteration {{{curve}}}; "
@@ -314,6 +490,11 @@ def add_cli(subparsers):
     p.add_argument('--model', default='default', help="'default' (Qwen2.5-Coder-0.5B), 'smollm2', a model folder, or the served model name")
     p.add_argument('--backend', default='transformers', choices=['transformers', 'openai'], help='where the model runs')
     p.add_argument('--base-url', default=None, help='URL of an OpenAI-compatible server (with --backend openai)')
+    p.add_argument('--max-n-per-call', dest='max_n_per_call', type=int, default=None,
+                   help='most samples asked of the server in one call (with --backend openai; learnt from refusals otherwise)')
+    p.add_argument('--preset', default=None, choices=list(PRESETS), help=PRESET_HELP)
+    p.add_argument('--problem-ids', dest='problem_ids', default=None,
+                   help='a file of problem ids, one per line (e.g. written by `tmas data hard-subset`); only those problems')
     p.add_argument('--limit', type=int, default=None, help='only the first K problems')
     p.add_argument('--n-candidates', dest='n_candidates', type=int, default=None, help='N: candidates per iteration (K for rse)')
     p.add_argument('--n-verifications', dest='n_verifications', type=int, default=None, help='M: reviews per candidate (tmas, verify-refine)')
@@ -323,6 +504,9 @@ def add_cli(subparsers):
     p.add_argument('--max-new-tokens', dest='max_new_tokens', type=int, default=None, help='tokens per model answer')
     p.add_argument('--temperature', type=float, default=None, help='sampling temperature (default 1.0)')
     p.add_argument('--top-p', dest='top_p', type=float, default=None, help='nucleus sampling (default 0.95)')
+    p.add_argument('--top-k', dest='top_k', type=int, default=None, help='top-k sampling (default: off)')
+    p.add_argument('--answer-from-truncated', dest='answer_from_truncated', action='store_true', default=None,
+                   help='grade an output cut off by the token limit by its last finished \\boxed{} (default: it has no answer)')
     p.add_argument('--concurrency', type=int, default=4, help='problems run at the same time')
     p.add_argument('--threads', type=int, default=None, help='torch CPU threads (transformers backend)')
     p.add_argument('--config', default=None, help='JSON file of method settings (or a run\'s config.json)')
@@ -339,17 +523,3 @@ def add_cli(subparsers):
     s.add_argument('--json', action='store_true', help='print one JSON object')
     s.set_defaults(func=_cmd_summary)
     return p
-
-def main(argv: list[str] | None = None) -> int:
-    "Run the `run` / `runs` commands as `tmas` would: `python -m tmas_nb.runs run --method tmas ...`."
-    p = argparse.ArgumentParser(prog='tmas')
-    sub = p.add_subparsers(dest='command', metavar='COMMAND'); sub.required = True
-    add_cli(sub)
-    args = p.parse_args(argv)
-    try: return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, KeyError) as e:
-        print(f'tmas: error: {e}', file=sys.stderr)
-        return 2
-
-# %% ../nbs/24_runs.ipynb #4a6e8b5a
-if __name__ == '__main__' and '__file__' in globals(): sys.exit(main())

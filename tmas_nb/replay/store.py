@@ -11,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..core import data_dir, find_data_dir
+from ..core import data_dir, find_data_dir, fetch_hint
 
 # %% auto #0
-__all__ = ['MODELS', 'DATASETS', 'ReplayStoreError', 'ReplayStore', 'load_store_file', 'store_path', 'load_store',
+__all__ = ['MODELS', 'DATASETS', 'ReplayStoreError', 'ReplayStore', 'load_store_file', 'replay_dir', 'store_path', 'load_store',
            'available_stores']
 
 # %% ../../nbs/01_replay_store.ipynb #9449db5f
@@ -141,14 +141,20 @@ def load_store_file(path) -> ReplayStore:
     name = f"{path.parent.name}/{path.stem}"
     return ReplayStore.from_records(records, name=name, path=path)
 
-def store_path(model: str, dataset: str, data_dir_=None) -> Path:
-    "Path of the store for `model` × `dataset` under the data folder (`TMAS_DATA_DIR`)."
+def replay_dir(data_dir_=None) -> Path:
+    "The folder holding `<model>/<dataset>.json`: `<data>/autotts_replay`, or `data_dir_` itself when it is that folder."
     root = data_dir(data_dir_)
-    p = root / 'autotts_replay' / model / f'{dataset}.json'
+    if (root / 'autotts_replay').is_dir() or data_dir_ is None: return root / 'autotts_replay'
+    return root if any(root.glob('*/*.json')) else root / 'autotts_replay'
+
+def store_path(model: str, dataset: str, data_dir_=None) -> Path:
+    "Path of the store for `model` × `dataset` under the data folder (`TMAS_DATA_DIR`) or the replay folder itself."
+    rdir = replay_dir(data_dir_)
+    p = rdir / model / f'{dataset}.json'
     if not p.exists():
-        avail = sorted(f"{m.name}/{f.stem}" for m in (root / 'autotts_replay').glob('*') if m.is_dir() for f in m.glob('*.json'))
+        avail = sorted(f"{m.name}/{f.stem}" for m in rdir.glob('*') if m.is_dir() for f in m.glob('*.json'))
         raise FileNotFoundError(f"no replay store for model={model!r} dataset={dataset!r} at {p}. "
-                                f"Available: {', '.join(avail) or 'none'}")
+                                f"Available: {', '.join(avail) or 'none'}. {fetch_hint(f'autotts_replay/{model}/{dataset}.json')}")
     return p
 
 @lru_cache(maxsize=32)
@@ -160,7 +166,8 @@ def load_store(model: str, dataset: str, data_dir=None) -> ReplayStore:
     return _load_cached(str(p), p.stat().st_mtime)
 
 def available_stores(data_dir_=None) -> list[tuple[str, str]]:
-    "All `(model, dataset)` pairs present under `<data>/autotts_replay`."
-    root = find_data_dir(data_dir_)
-    if root is None or not (root / 'autotts_replay').is_dir(): return []
-    return sorted((m.name, f.stem) for m in (root / 'autotts_replay').iterdir() if m.is_dir() for f in m.glob('*.json'))
+    "All `(model, dataset)` pairs present under `<data>/autotts_replay` (or under `data_dir_` when it is that folder)."
+    if find_data_dir(data_dir_) is None: return []
+    rdir = replay_dir(data_dir_)
+    if not rdir.is_dir(): return []
+    return sorted((m.name, f.stem) for m in rdir.iterdir() if m.is_dir() for f in m.glob('*.json'))
