@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from tmas_nb.cli import main
-from tmas_nb.fetch import (REGISTRY, ChecksumError, DataFetchError, Downloader, fetch, file_sha256, list_datasets,
+from tmas_nb.core import sha256_file
+from tmas_nb.fetch import (REGISTRY, ChecksumError, DataFetchError, Downloader, fetch, list_datasets,
                            make_mirror)
 
 HERE = Path(__file__).parent
@@ -97,7 +98,7 @@ def test_server_killed_mid_download_then_next_fetch_completes(mirror, tmp_path):
     with Server(mirror, log, port=s.port) as s2:                # the same address, back up
         assert fetch(['imo-answerbench'], dest, s2.url, downloader=QUIET) == {'imo-answerbench': {f.path: 'downloaded'}}
         assert s2.requests()[-1] == f'GET /google-deepmind/superhuman/{REGISTRY["imo-answerbench"].source.commit}/{f.source_path} bytes={got}-'
-    assert file_sha256(dest / f.path) == f.sha256 and not part.exists()
+    assert sha256_file(dest / f.path) == f.sha256 and not part.exists()
 
 
 def test_offline_fails_with_one_clear_line(tmp_path, monkeypatch, capsys):
@@ -172,6 +173,6 @@ def test_mirror_command_served_by_plain_http_server(data_root, tmp_path, capsys)
         part = tmp_path / 'data' / (f.path + '.part'); part.parent.mkdir(parents=True)
         part.write_bytes((data_root / f.path).read_bytes()[:1000])      # a partial file this server cannot resume
         assert fetch(['imo-answerbench'], tmp_path / 'data', f'http://127.0.0.1:{port}', downloader=QUIET) == {'imo-answerbench': {f.path: 'downloaded'}}
-        assert file_sha256(tmp_path / 'data' / f.path) == f.sha256 and not part.exists()
+        assert sha256_file(tmp_path / 'data' / f.path) == f.sha256 and not part.exists()
     finally:
         srv.kill(); srv.wait()

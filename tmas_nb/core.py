@@ -4,12 +4,12 @@
 
 # %% ../nbs/00_core.ipynb #ea9c8d9b
 from __future__ import annotations
-import os, json, tempfile
+import hashlib, os, json, tempfile
 from pathlib import Path
 
 # %% auto #0
 __all__ = ['DATA_HINT', 'repo_root', 'user_data_dir', 'find_data_dir', 'data_dir', 'fetch_hint', 'atomic_write_bytes',
-           'atomic_write_text', 'atomic_write_json']
+           'atomic_write_text', 'atomic_write_json', 'sha256_file']
 
 # %% ../nbs/00_core.ipynb #e9ebc090
 DATA_HINT = ("Get the AutoTTS replay stores with `tmas data fetch autotts` (or everything public with "
@@ -86,3 +86,11 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
 def atomic_write_json(path: str | os.PathLike, obj, **kw) -> Path:
     "Write `obj` as indented JSON to `path` atomically."
     return atomic_write_text(path, json.dumps(obj, indent=2, ensure_ascii=False, **kw) + '\n')
+
+# %% ../nbs/00_core.ipynb #aa0f392c
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    "Hex sha256 of a file, read in chunks."
+    h = hashlib.sha256()
+    with open(path, 'rb') as f:
+        while b := f.read(chunk): h.update(b)
+    return h.hexdigest()

@@ -8,12 +8,12 @@ import argparse, hashlib, json, os, random, shutil, sys, time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .core import find_data_dir, user_data_dir
+from .core import find_data_dir, sha256_file, user_data_dir
 
 # %% auto #0
-__all__ = ['RAW_BASE', 'AUTOTTS', 'SUPERHUMAN', 'REGISTRY', 'Source', 'DataFile', 'Dataset', 'resolve_names', 'file_sha256',
-           'file_state', 'DataFetchError', 'ChecksumError', 'Downloader', 'find_local', 'copy_verified', 'make_mirror',
-           'fetch', 'fetch_command', 'list_datasets', 'dataset_of', 'fetch_hint', 'data_subcommands', 'add_cli']
+__all__ = ['RAW_BASE', 'AUTOTTS', 'SUPERHUMAN', 'REGISTRY', 'Source', 'DataFile', 'Dataset', 'resolve_names', 'file_state',
+           'DataFetchError', 'ChecksumError', 'Downloader', 'find_local', 'copy_verified', 'make_mirror', 'fetch',
+           'fetch_command', 'list_datasets', 'dataset_of', 'fetch_hint', 'data_subcommands', 'add_cli']
 
 # %% ../nbs/18_data_fetch.ipynb #16a9ce8d
 RAW_BASE = 'https://raw.githubusercontent.com'
@@ -118,20 +118,13 @@ def resolve_names(names, registry: dict[str, Dataset] | None = None) -> list[Dat
     return out
 
 # %% ../nbs/18_data_fetch.ipynb #aabc59cf
-def file_sha256(path, chunk: int = 1 << 20) -> str:
-    "The sha256 of a file, read in chunks."
-    h = hashlib.sha256()
-    with open(path, 'rb') as f:
-        while b := f.read(chunk): h.update(b)
-    return h.hexdigest()
-
 def file_state(root, f: DataFile) -> str:
     "`verified`, `differs`, `missing` or `unverified` for the file `f` under the data folder `root`."
     p = Path(root) / f.path
     if not p.is_file(): return 'missing'
     if p.stat().st_size != f.size: return 'differs'
     if f.sha256 is None: return 'unverified'
-    return 'verified' if file_sha256(p) == f.sha256 else 'differs'
+    return 'verified' if sha256_file(p) == f.sha256 else 'differs'
 
 # %% ../nbs/18_data_fetch.ipynb #c19004d7
 class DataFetchError(ValueError):
@@ -218,7 +211,7 @@ def _download(self: Downloader, url: str, dest, size: int | None = None, sha256:
                     if bar is not None and not bar.disable: bar.write(f"{url}: {_one_line(e)}; retrying")
                     time.sleep(self.delay(attempt)); continue
             got = part.stat().st_size
-            digest = file_sha256(part) if sha256 else None
+            digest = sha256_file(part) if sha256 else None
             if (size is not None and got != size) or (sha256 is not None and digest != sha256):
                 part.unlink()
                 if bar is not None: bar.update(-got)

@@ -8,10 +8,12 @@ import contextlib, hashlib, importlib.util, json, os, shutil, tempfile, time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..core import sha256_file
+
 # %% auto #0
 __all__ = ['PACKAGED_MODELS', 'MODEL_ALIASES', 'STAMP', 'PackagedModel', 'canonical_model_name', 'packaged_model',
-           'ModelPackageMissing', 'part_paths', 'ModelChecksumError', 'sha256_file', 'join_parts', 'verify_file',
-           'model_cache_root', 'convert_packaged_model', 'resolve_model', 'default_device', 'load_model_and_tokenizer']
+           'ModelPackageMissing', 'part_paths', 'ModelChecksumError', 'join_parts', 'verify_file', 'model_cache_root',
+           'convert_packaged_model', 'resolve_model', 'default_device', 'load_model_and_tokenizer']
 
 # %% ../../nbs/11_llm_models.ipynb #5415ba08
 @dataclass(frozen=True)
@@ -70,13 +72,6 @@ def part_paths(spec: PackagedModel) -> list[Path]:
 # %% ../../nbs/11_llm_models.ipynb #e3681f10
 class ModelChecksumError(ValueError):
     "The (joined) model file does not have the expected sha256."
-
-def sha256_file(path, chunk: int = 1 << 22) -> str:
-    "Hex sha256 of a file."
-    h = hashlib.sha256()
-    with open(path, 'rb') as f:
-        while b := f.read(chunk): h.update(b)
-    return h.hexdigest()
 
 def join_parts(paths: list, dest, sha256: str, pip_line: str = '', chunk: int = 1 << 22) -> Path:
     "Concatenate `paths` into `dest`, refusing (and leaving nothing) unless the result has hex digest `sha256`."
