@@ -170,3 +170,23 @@ def test_llama_cpp_python_server_ignores_n(tmp_path):
         assert llm.token_count_source == 'usage' and all(c.completion_tokens > 0 for c in a)
     finally:
         proc.kill(); proc.wait(timeout=30)
+
+
+def test_replay_build_through_llama_server(llama, tmp_path):
+    """`build_store` with a base URL against llama-server's /v1/completions: token-id prompts, 31-bit seeds, its /tokenize."""
+    from tmas_nb.replay.build import build_store, parts_dir, sidecar_path
+    from tmas_nb.replay.store import load_store_file
+    kw = dict(limit=1, branches=2, probe_every=8, max_new_tokens=24, progress=False)
+    for tokenizer, source in ((None, 'tokenizer'), ('server', 'tokenize')):
+        out = tmp_path / f'{source}.json'
+        t0 = time.monotonic()
+        build_store(llama.base_url, 'demo', out=out, tokenizer=tokenizer, **kw)
+        store = load_store_file(out)
+        side = json.loads(sidecar_path(out).read_text())
+        print(f'{source}: {time.monotonic() - t0:.1f}s', json.loads(out.read_text())[0]['each_branch'])
+        assert (store.n_questions, int(store.n_branches.max()), int(store.probe_freq[0])) == (1, 2, 8)
+        # the packaged model's own tokenizer is used (and checked against the server's), or the server's template and tokens
+        assert (side['served_model'], side['token_source'], side['complete']) == (NAME, source, True)
+        part = json.loads((parts_dir(out) / 'q00000.json').read_text())
+        for (probes, tokens, final), how in zip(part['record']['each_branch'], part['finish_reasons']):
+            assert 0 < tokens and len(probes) == (tokens - (how == 'stop')) // 8

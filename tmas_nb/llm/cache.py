@@ -14,9 +14,10 @@ __all__ = ['cache_key', 'CompletionStore', 'CachedLLM']
 
 # %% ../../nbs/14_llm_cache.ipynb #12b8d755
 def cache_key(model_id: str, request: Request, sample_index: int) -> str:
-    "sha256 of the canonical JSON of model id, messages, sampling settings and sample index."
+    "sha256 of the canonical JSON of model id, messages (or raw prompt), sampling settings and sample index."
     payload = {'model': model_id, 'messages': [dict(m) for m in request.messages],
                'sampling': request.sampling_key(), 'sample': int(sample_index)}
+    if request.prompt is not None: payload['prompt'] = request.prompt   # raw prompts only: chat keys stay as they were
     blob = json.dumps(payload, sort_keys=True, ensure_ascii=False, separators=(',', ':'))
     return hashlib.sha256(blob.encode('utf-8')).hexdigest()
 

@@ -29,6 +29,7 @@ class Request:
     seed: int | None = None
     stop: list[str] | None = None
     enable_thinking: bool | None = None
+    prompt: str | list[int] | None = None
 
     def __post_init__(self): self.validate()
 
@@ -38,10 +39,20 @@ class Request:
         msgs = ([{'role': 'system', 'content': system}] if system else []) + [{'role': 'user', 'content': prompt}]
         return cls(messages=msgs, **kw)
 
+    @classmethod
+    def raw(cls, prompt: str | list[int], **kw) -> Request:
+        "A request whose `prompt` (text or token ids) the model continues as it is, with no chat template."
+        return cls(messages=[], prompt=prompt, **kw)
+
     def validate(self) -> Request:
         "Raise `ValueError` naming the field and the fix when a setting is out of range."
         def bad(fld, why): raise ValueError(f"Request.{fld}: {why}")
-        if not isinstance(self.messages, (list, tuple)) or not self.messages:
+        if self.prompt is not None:
+            text = isinstance(self.prompt, str) and self.prompt
+            ids = isinstance(self.prompt, list) and self.prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.prompt)
+            if not (text or ids): bad('prompt', f"must be None, a non-empty string or a non-empty list of token ids (ints >= 0), got {self.prompt!r:.80}")
+            if self.messages: bad('messages', "must be empty when `prompt` is given (a raw prompt takes no chat messages)")
+        elif not isinstance(self.messages, (list, tuple)) or not self.messages:
             bad('messages', f"must be a non-empty list of {{'role': ..., 'content': ...}} dicts, got {self.messages!r:.80}")
         for i, m in enumerate(self.messages):
             if not isinstance(m, dict) or 'role' not in m or 'content' not in m:

@@ -15,8 +15,10 @@ __all__ = ['TOKEN_COUNT_SOURCES', 'DEFAULT_BASE_URL', 'request_body', 'parse_cho
 # %% ../../nbs/13_llm_openai.ipynb #1e0bef65
 def request_body(model: str, request: Request, n: int | None = None, seed: int | None = None,
                  extra_body: dict | None = None) -> dict:
-    "The JSON body of a `/v1/chat/completions` call asking for `n` samples of `request`."
-    body = {'model': model, 'messages': [dict(m) for m in request.messages],
+    "The JSON body of a `/v1/chat/completions` call (or `/v1/completions` for a raw prompt) asking for `n` samples of `request`."
+    content = ({'messages': [dict(m) for m in request.messages]} if request.prompt is None else
+               {'prompt': request.prompt if isinstance(request.prompt, str) else [int(t) for t in request.prompt]})
+    body = {'model': model, **content,
             'n': request.n if n is None else n,
             'temperature': float(request.temperature), 'top_p': float(request.top_p),
             'max_tokens': int(request.max_new_tokens)}
@@ -24,7 +26,7 @@ def request_body(model: str, request: Request, n: int | None = None, seed: int |
     seed = request.seed if seed is None else seed
     if seed is not None: body['seed'] = int(seed)
     if request.stop: body['stop'] = list(request.stop)
-    if request.enable_thinking is not None:
+    if request.enable_thinking is not None and request.prompt is None:
         body['chat_template_kwargs'] = {'enable_thinking': bool(request.enable_thinking)}
     if extra_body:
         for k, v in extra_body.items():
@@ -57,7 +59,7 @@ def _choice_count(ch: dict) -> tuple[int | None, str | None]:
 
 def _choice_completion(ch: dict, latency_s: float) -> Completion:
     msg = ch.get('message') or {}
-    content = msg.get('content') or ''
+    content = (msg.get('content') if 'message' in ch else ch.get('text')) or ''   # chat, or completions ('text')
     reasoning = msg.get('reasoning_content') or msg.get('reasoning') or ''
     if reasoning:
         c = Completion(text=content.strip(), reasoning=reasoning.strip(), raw=f'{THINK_OPEN}\n{reasoning}\n{THINK_CLOSE}\n\n{content}')
@@ -120,7 +122,8 @@ def _server_message(resp) -> str:
     return json.dumps(data)[:500]
 
 def _first_words(request: Request, k: int = 8) -> str:
-    words = str(request.messages[-1].get('content', '')).split()
+    if isinstance(request.prompt, list): return f'a prompt of {len(request.prompt)} token ids'
+    words = str(request.prompt if request.prompt is not None else request.messages[-1].get('content', '')).split()
     return ' '.join(words[:k]) + (' ...' if len(words) > k else '')
 
 # %% ../../nbs/13_llm_openai.ipynb #a8e1beec
@@ -371,7 +374,8 @@ class OpenAIBackend(LLM):
         if self.token_counts == 'logprobs' and n > 1: body.setdefault('logprobs', True)
         what = f"request role={request.role!r} ({_first_words(request)!r}, n={n})"
         t0 = time.perf_counter()
-        data = await self._call('POST', '/chat/completions', body, role=request.role, what=what,
+        path = '/chat/completions' if request.prompt is None else '/completions'
+        data = await self._call('POST', path, body, role=request.role, what=what,
                                 headers={'X-TMAS-Role': request.role})
         cs, source = parse_choices(data, latency_s=time.perf_counter() - t0)
         if data.get('model'): self.served_models[str(data['model'])] += 1
@@ -383,6 +387,47 @@ class OpenAIBackend(LLM):
         if source == 'estimated': self.stats['estimated_samples'] += len(cs)
         self.token_sources[source] += len(cs)
         return cs
+
+    # -- the server's tokenizer -----------------------------------------------------------------
+    def _root(self) -> str:
+        return self.base_url[:-len('/v1')] if self.base_url.endswith('/v1') else self.base_url
+
+    async def _post_optional(self, path: str, body: dict) -> dict | None:
+        "POST to an endpoint outside `/v1` that a server may lack: its JSON, or None when the server has no such route."
+        try: return await self._call('POST', self._root() + path, body, role='tokenize', what=f'POST {path}')
+        except LLMRequestError as e:
+            if e.status_code in (400, 404, 405, 422, 501): return None
+            raise
+
+    async def tokenize(self, text: str | None = None, messages: list[dict] | None = None, add_special: bool = False,
+                       enable_thinking: bool | None = None) -> list[int]:
+        "Token ids from the server: of `text`, or of `messages` through its chat template with the generation prompt."
+        model = await self.resolve_model()
+        self.stats['tokenize_calls'] += 1
+        if messages is not None:    # vLLM (and tmas serve) render the template in /tokenize; llama-server in /apply-template
+            body = {'model': model, 'messages': messages, 'add_generation_prompt': True, 'add_special_tokens': False}
+            if enable_thinking is not None: body['chat_template_kwargs'] = {'enable_thinking': bool(enable_thinking)}
+            data = await self._post_optional('/tokenize', body)
+            if data and isinstance(data.get('tokens'), list) and data['tokens']: return [int(t) for t in data['tokens']]
+            data = await self._post_optional('/apply-template', {'messages': messages})
+            if not data or not isinstance(data.get('prompt'), str):
+                raise LLMRequestError(f"{self.base_url} renders no chat template (neither /tokenize with messages nor "
+                                      "/apply-template answered); render it with a local tokenizer instead", role='tokenize')
+            text, add_special = data['prompt'], False
+        body = {'model': model, 'prompt': text, 'content': text, 'add_special_tokens': add_special, 'add_special': add_special}
+        data = await self._post_optional('/tokenize', body)
+        if not data or not isinstance(data.get('tokens'), list):
+            raise LLMRequestError(f"{self.base_url} has no tokenize endpoint (POST /tokenize); give a local tokenizer instead",
+                                  role='tokenize')
+        return [int(t['id']) if isinstance(t, dict) else int(t) for t in data['tokens']]   # llama-server may send {id, piece}
+
+    async def detokenize(self, ids: list[int]) -> str:
+        "The text of token ids, from the server's `/detokenize` (vLLM's `prompt` or llama-server's `content`)."
+        data = await self._post_optional('/detokenize', {'model': await self.resolve_model(), 'tokens': [int(t) for t in ids]})
+        text = None if not data else data.get('prompt', data.get('content'))
+        if not isinstance(text, str):
+            raise LLMRequestError(f"{self.base_url} has no detokenize endpoint (POST /detokenize)", role='tokenize')
+        return text
 
     async def _chat_split(self, request: Request, n: int, seed: int | None) -> list[Completion]:
         "One call for `n` samples; when the server refuses that many, learn its limit and split the call."

@@ -9,8 +9,9 @@ import argparse, socket, sys, threading, time, uuid
 from .core import LLM, Request, Completion
 
 # %% auto #0
-__all__ = ['BadRequest', 'parse_chat_request', 'completion_response', 'bearer_ok', 'create_app', 'serve', 'ServerThread',
-           'is_loopback', 'check_exposure', 'add_cli']
+__all__ = ['BadRequest', 'parse_chat_request', 'completion_response', 'raw_prompt', 'parse_completion_request',
+           'text_completion_response', 'tokenize_body', 'detokenize_body', 'bearer_ok', 'create_app', 'serve',
+           'ServerThread', 'is_loopback', 'check_exposure', 'add_cli']
 
 # %% ../../nbs/15_llm_server.ipynb #5377b380
 class BadRequest(ValueError):
@@ -22,15 +23,26 @@ def _error_body(message: str, status: int, param: str | None = None) -> dict:
     kind = {400: 'BadRequestError', 404: 'NotFoundError', 500: 'InternalServerError'}.get(status, 'Error')
     return {'error': {'message': message, 'type': kind, 'param': param, 'code': status}}
 
-def parse_chat_request(body, served_model: str, role: str = 'remote', max_n: int | None = None,
-                       default_max_tokens: int = 512, max_tokens_limit: int | None = None) -> tuple[Request, int]:
-    "A `Request` from an OpenAI chat-completions body, and the number of samples the server will return."
+def _check_body(body, served_model: str):
+    "Refuse what neither endpoint serves: a body that is not an object, streaming, another model's name."
     if not isinstance(body, dict): raise BadRequest('the request body must be a JSON object')
     if body.get('stream'): raise BadRequest('streaming is not supported by this server; send "stream": false', param='stream')
     model = body.get('model')
     if model not in (None, '', served_model):
         raise BadRequest(f"The model `{model}` does not exist; this server serves `{served_model}`", status=404, param='model')
+
+def parse_chat_request(body, served_model: str, role: str = 'remote', max_n: int | None = None,
+                       default_max_tokens: int = 512, max_tokens_limit: int | None = None) -> tuple[Request, int]:
+    "A `Request` from an OpenAI chat-completions body, and the number of samples the server will return."
+    _check_body(body, served_model)
     if 'messages' not in body: raise BadRequest("missing field 'messages' (a list of {role, content} objects)", param='messages')
+    ctk = body.get('chat_template_kwargs') or {}
+    if not isinstance(ctk, dict): raise BadRequest('chat_template_kwargs must be an object', param='chat_template_kwargs')
+    return _sampled_request(body, dict(messages=body['messages'], enable_thinking=ctk.get('enable_thinking')), role, max_n,
+                            default_max_tokens, max_tokens_limit)
+
+def _sampled_request(body: dict, content: dict, role: str, max_n, default_max_tokens, max_tokens_limit) -> tuple[Request, int]:
+    "A `Request` of `content` (messages or a raw prompt) with the body's sampling fields, and the samples to return."
     max_tokens = body.get('max_completion_tokens', body.get('max_tokens'))
     max_tokens = default_max_tokens if max_tokens is None else max_tokens
     if max_tokens_limit is not None and isinstance(max_tokens, int) and max_tokens > max_tokens_limit:
@@ -40,12 +52,9 @@ def parse_chat_request(body, served_model: str, role: str = 'remote', max_n: int
     if isinstance(stop, str): stop = [stop]
     top_k = body.get('top_k')
     if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k <= 0: top_k = None   # vLLM: -1 or 0 = no top-k
-    ctk = body.get('chat_template_kwargs') or {}
-    if not isinstance(ctk, dict): raise BadRequest('chat_template_kwargs must be an object', param='chat_template_kwargs')
-    kw = dict(messages=body['messages'], role=role, n=body.get('n', 1),
+    kw = dict(**content, role=role, n=body.get('n', 1),
               temperature=body.get('temperature', 1.0), top_p=body.get('top_p', 1.0), top_k=top_k,
-              max_new_tokens=max_tokens, seed=body.get('seed'), stop=stop or None,
-              enable_thinking=ctk.get('enable_thinking'))
+              max_new_tokens=max_tokens, seed=body.get('seed'), stop=stop or None)
     try: req = Request(**{k: (1.0 if v is None and k in ('temperature', 'top_p') else v) for k, v in kw.items()})
     except ValueError as e:
         msg = str(e)
@@ -69,6 +78,69 @@ def completion_response(completions: list[Completion], model: str) -> dict:
             'model': model, 'choices': choices,
             'usage': {'prompt_tokens': prompt, 'completion_tokens': gen, 'total_tokens': prompt + gen}}
 
+# %% ../../nbs/15_llm_server.ipynb #0661fb46
+def raw_prompt(body: dict) -> str | list[int]:
+    "The one prompt of a completions body: a string or a list of token ids (a batch of one is unwrapped, larger batches refused)."
+    if 'prompt' not in body: raise BadRequest("missing field 'prompt' (a string or a list of token ids)", param='prompt')
+    p = body['prompt']
+    if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
+        if len(p) > 1:
+            raise BadRequest(f"a batch of {len(p)} prompts is not supported by this server; send one prompt per request "
+                             "(concurrent requests are batched on the server)", param='prompt')
+        p = p[0]
+    return p
+
+_REFUSED = {'echo': (lambda v, n: not v, 'echo is not supported; send "echo": false'),
+            'suffix': (lambda v, n: v is None, 'suffix (insertion) is not supported; leave it out'),
+            'logprobs': (lambda v, n: v in (None, False, 0), 'logprobs are not supported by this server; leave them out'),
+            'best_of': (lambda v, n: v in (None, n), 'best_of above n is not supported; ask for n samples and choose yourself')}
+
+def parse_completion_request(body, served_model: str, role: str = 'remote', max_n: int | None = None,
+                             default_max_tokens: int = 512, max_tokens_limit: int | None = None) -> tuple[Request, int]:
+    "A raw-prompt `Request` from an OpenAI completions body, and the number of samples the server will return."
+    _check_body(body, served_model)
+    for f, (ok, why) in _REFUSED.items():
+        if f in body and not ok(body[f], body.get('n', 1)): raise BadRequest(why, param=f)
+    return _sampled_request(body, dict(messages=[], prompt=raw_prompt(body)), role, max_n, default_max_tokens, max_tokens_limit)
+
+def text_completion_response(completions: list[Completion], model: str) -> dict:
+    "The completions response body for the samples of one raw-prompt request."
+    choices = [{'index': i, 'text': c.raw or c.text, 'finish_reason': c.finish_reason, 'logprobs': None,
+                'completion_tokens': c.completion_tokens} for i, c in enumerate(completions)]
+    prompt = max((c.prompt_tokens for c in completions), default=0)
+    gen = sum(c.completion_tokens for c in completions)
+    return {'id': f'cmpl-{uuid.uuid4().hex}', 'object': 'text_completion', 'created': int(time.time()),
+            'model': model, 'choices': choices,
+            'usage': {'prompt_tokens': prompt, 'completion_tokens': gen, 'total_tokens': prompt + gen}}
+
+# %% ../../nbs/15_llm_server.ipynb #985b91cd
+def tokenize_body(tok, body, max_model_len: int | None = None) -> dict:
+    "The `/tokenize` answer for `body` (vLLM's `prompt` or `messages`, or llama-server's `content`)."
+    if not isinstance(body, dict): raise BadRequest('the request body must be a JSON object')
+    if 'messages' in body:
+        kw = body.get('chat_template_kwargs') or {}
+        if not isinstance(kw, dict): raise BadRequest('chat_template_kwargs must be an object', param='chat_template_kwargs')
+        try: Request(messages=body['messages'])
+        except ValueError as e: raise BadRequest(str(e).replace('Request.', ''), param='messages') from e
+        enc = tok.apply_chat_template(body['messages'], add_generation_prompt=bool(body.get('add_generation_prompt', True)),
+                                      tokenize=True, return_dict=True, **kw)
+        ids = enc['input_ids']; ids = list(ids[0] if ids and isinstance(ids[0], list) else ids)
+    else:
+        key = 'prompt' if 'prompt' in body else 'content' if 'content' in body else None
+        if key is None or not isinstance(body[key], str):
+            raise BadRequest("send 'prompt' (or 'content') as a string, or 'messages' as a chat", param='prompt')
+        add = body.get('add_special_tokens', body.get('add_special', key == 'prompt'))
+        ids = list(tok.encode(body[key], add_special_tokens=bool(add)))
+    return {'tokens': [int(t) for t in ids], 'count': len(ids), 'max_model_len': max_model_len}
+
+def detokenize_body(tok, body) -> dict:
+    "The `/detokenize` answer for `{'tokens': [...]}`: the text, as vLLM (`prompt`) and llama-server (`content`) spell it."
+    ids = body.get('tokens') if isinstance(body, dict) else None
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise BadRequest("send 'tokens' as a list of token ids (ints >= 0)", param='tokens')
+    text = tok.decode(ids, skip_special_tokens=False)
+    return {'prompt': text, 'content': text}
+
 # %% ../../nbs/15_llm_server.ipynb #08c9a756
 def _unauthorized() -> dict:
     return {'error': {'message': 'Incorrect or missing API key: send it as "Authorization: Bearer <key>" '
@@ -85,7 +157,8 @@ def _key_check(api_key: str):
     "An HTTP middleware refusing `/v1/...` requests without the key."
     from fastapi.responses import JSONResponse
     async def check(request, call_next):
-        if request.method != 'OPTIONS' and request.url.path.startswith('/v1') and \
+        guarded = request.url.path.startswith('/v1') or request.url.path in ('/tokenize', '/detokenize')
+        if request.method != 'OPTIONS' and guarded and \
                 not bearer_ok(request.headers.get('authorization'), api_key):
             return JSONResponse(_unauthorized(), status_code=401, headers={'WWW-Authenticate': 'Bearer'})
         return await call_next(request)
@@ -95,7 +168,7 @@ def _key_check(api_key: str):
 # %% ../../nbs/15_llm_server.ipynb #a6be1470
 def create_app(llm: LLM, served_model_name: str | None = None, max_n: int | None = None,
                default_max_tokens: int = 512, max_tokens_limit: int | None = None, api_key: str | None = None):
-    "A FastAPI application serving `llm` at `/v1/chat/completions`, `/v1/models`, `/v1/usage` and `/health`."
+    "A FastAPI application serving `llm` at `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/v1/usage`, `/health` (and `/tokenize`, `/detokenize`)."
     from fastapi import FastAPI, Request as HTTPRequest
     from fastapi.responses import JSONResponse
     name = served_model_name or llm.model_id
@@ -115,31 +188,54 @@ def create_app(llm: LLM, served_model_name: str | None = None, max_n: int | None
     @app.get('/v1/usage')
     async def usage(): return llm.usage.to_dict()
 
-    async def chat(request):
-        counts['requests'] += 1
-        counts['in_flight'] += 1
-        counts['peak_in_flight'] = max(counts['peak_in_flight'], counts['in_flight'])
-        try: return await answer(request)
-        finally: counts['in_flight'] -= 1
+    def endpoint(parse, respond):
+        "A handler that parses a body with `parse`, generates, and answers with `respond`."
+        async def handle(request):
+            counts['requests'] += 1
+            counts['in_flight'] += 1
+            counts['peak_in_flight'] = max(counts['peak_in_flight'], counts['in_flight'])
+            try: return await answer(request, parse, respond)
+            finally: counts['in_flight'] -= 1
+        handle.__annotations__['request'] = HTTPRequest   # a real class, not the postponed string, for FastAPI
+        return handle
 
-    async def answer(request):
+    async def answer(request, parse, respond):
         try:
             try: body = await request.json()
             except (ValueError, UnicodeDecodeError): raise BadRequest('the request body is not valid JSON')
             role = request.headers.get('x-tmas-role') or 'remote'
-            req, _ = parse_chat_request(body, name, role=role, max_n=max_n, default_max_tokens=default_max_tokens,
-                                        max_tokens_limit=max_tokens_limit)
+            req, _ = parse(body, name, role=role, max_n=max_n, default_max_tokens=default_max_tokens,
+                           max_tokens_limit=max_tokens_limit)
         except BadRequest as e:
             return JSONResponse(_error_body(str(e), e.status, e.param), status_code=e.status)
         try:
             [completions] = await llm.generate([req])
         except Exception as e:
             return JSONResponse(_error_body(f'generation failed: {type(e).__name__}: {e}', 500), status_code=500)
-        return completion_response(completions, name)
+        return respond(completions, name)
 
-    chat.__annotations__['request'] = HTTPRequest   # a real class, not the postponed string, for FastAPI
-    app.post('/v1/chat/completions')(chat)
+    app.post('/v1/chat/completions')(endpoint(parse_chat_request, completion_response))
+    app.post('/v1/completions')(endpoint(parse_completion_request, text_completion_response))
+    tok = getattr(llm, 'tokenizer', None)
+    if tok is not None: _add_tokenizer_routes(app, tok, getattr(getattr(getattr(llm, 'model', None), 'config', None),
+                                                                'max_position_embeddings', None))
     return app
+
+def _add_tokenizer_routes(app, tok, max_model_len):
+    "`POST /tokenize` and `POST /detokenize` with the backend's tokenizer."
+    from fastapi import Request as HTTPRequest
+    from fastapi.responses import JSONResponse
+    def route(fn):
+        async def handle(request):
+            try:
+                try: body = await request.json()
+                except (ValueError, UnicodeDecodeError): raise BadRequest('the request body is not valid JSON')
+                return fn(body)
+            except BadRequest as e: return JSONResponse(_error_body(str(e), e.status, e.param), status_code=e.status)
+        handle.__annotations__['request'] = HTTPRequest
+        return handle
+    app.post('/tokenize')(route(lambda b: tokenize_body(tok, b, max_model_len)))
+    app.post('/detokenize')(route(lambda b: detokenize_body(tok, b)))
 
 # %% ../../nbs/15_llm_server.ipynb #1e462849
 def _bind(host: str, port: int) -> socket.socket:
@@ -238,8 +334,8 @@ def _serve_command(args) -> int:
 def add_cli(subparsers):
     "Add `tmas serve`."
     p = subparsers.add_parser('serve', help='serve a model as an OpenAI-compatible chat server',
-                              description='Load a model and serve it at /v1/chat/completions (in this process, or with llama-server '
-                                          'for --engine llama.cpp).')
+                              description='Load a model and serve it at /v1/chat/completions and /v1/completions (in this process, '
+                                          'or with llama-server for --engine llama.cpp).')
     p.add_argument('--model', default='default', help="packaged model name ('default', 'smollm2'), hub id or local folder")
     p.add_argument('--host', default='127.0.0.1', help='address to listen on (0.0.0.0 for all interfaces)')
     p.add_argument('--port', type=int, default=8000, help='port to listen on')

@@ -10,9 +10,9 @@ from .core import LLM, Request, Completion, THINK_OPEN, THINK_CLOSE
 from .models import load_model_and_tokenizer, canonical_model_name
 
 # %% auto #0
-__all__ = ['chat_prompt_ids', 'template_opens_thinking', 'end_token_ids', 'finish_sequence', 'generation_config', 'row_seed',
-           'row_sampler', 'hf_generate_batch', 'decode_rows', 'stop_string_check', 'generate_batch', 'naive_generate',
-           'continuous_generate', 'TransformersBackend', 'tiny_random_model']
+__all__ = ['chat_prompt_ids', 'request_prompt_ids', 'template_opens_thinking', 'end_token_ids', 'finish_sequence',
+           'generation_config', 'row_seed', 'row_sampler', 'hf_generate_batch', 'decode_rows', 'stop_string_check',
+           'generate_batch', 'naive_generate', 'continuous_generate', 'TransformersBackend', 'tiny_random_model']
 
 # %% ../../nbs/12_llm_transformers.ipynb #245c397d
 def _template_kwargs(tok, enable_thinking: bool | None) -> dict:
@@ -27,6 +27,12 @@ def chat_prompt_ids(tok, request: Request) -> list[int]:
                                   **_template_kwargs(tok, request.enable_thinking))
     ids = enc['input_ids']
     return list(ids[0] if ids and isinstance(ids[0], list) else ids)
+
+def request_prompt_ids(tok, request: Request) -> list[int]:
+    "Token ids the model continues: a raw `request.prompt` as it is (text encoded as a completions server does), else the chat."
+    if request.prompt is None: return chat_prompt_ids(tok, request)
+    if isinstance(request.prompt, str): return list(tok.encode(request.prompt))
+    return [int(t) for t in request.prompt]
 
 _OPENS_CACHE: dict = {}
 
@@ -66,7 +72,8 @@ def finish_sequence(tok, gen_ids: list[int], request: Request, prompt_tokens: in
         raw, n_tok, reason = raw[:pos], k, 'stop'
     elif end is not None: n_tok, reason = end + 1, 'stop'
     else: n_tok, reason = len(gen_ids), 'length'
-    return Completion.from_raw(raw, opens_in_prompt=template_opens_thinking(tok, request.enable_thinking), finish_reason=reason,
+    opens = request.prompt is None and template_opens_thinking(tok, request.enable_thinking)   # a raw prompt has no template
+    return Completion.from_raw(raw, opens_in_prompt=opens, finish_reason=reason,
                                prompt_tokens=prompt_tokens, completion_tokens=n_tok, latency_s=latency_s)
 
 # %% ../../nbs/12_llm_transformers.ipynb #3c79d8ea
@@ -275,7 +282,7 @@ def naive_generate(model, tok, requests: list[Request]) -> list[list[Completion]
     "Baseline: one `model.generate` call per sample, sequentially."
     out = []
     for r in requests:
-        p = chat_prompt_ids(tok, r)
+        p = request_prompt_ids(tok, r)
         out.append([hf_generate_batch(model, tok, [r], [p], n=1)[0][0] for _ in range(r.n)])
     return out
 
@@ -419,7 +426,7 @@ class TransformersBackend(LLM):
             jobs = self._collect(first)
             ready = []
             for j in jobs:
-                try: j.prompt = chat_prompt_ids(self.tokenizer, j.request); ready.append(j)
+                try: j.prompt = request_prompt_ids(self.tokenizer, j.request); ready.append(j)
                 except Exception as e: j.future.set_exception(e)
             for batch in self.plan_batches(ready):
                 try:

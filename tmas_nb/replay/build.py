@@ -4,7 +4,7 @@
 
 # %% ../../nbs/08_replay_build.ipynb #a40091de
 from __future__ import annotations
-import json, os, re, time
+import asyncio, json, os, re, time
 from dataclasses import dataclass, asdict, field
 from pathlib import Path
 
@@ -16,7 +16,7 @@ from .store import ReplayStore, load_store_file
 # %% auto #0
 __all__ = ['NO_ANSWER', 'PROBE_SUFFIX', 'store_answer', 'probe_reading', 'BuildSettings', 'probe_batch', 'Branch', 'branch_seeds',
            'sample_branches', 'prompt_ids', 'parts_dir', 'sidecar_path', 'question_record', 'build_store',
-           'add_build_cli']
+           'server_branch_seeds', 'ServerBranches', 'add_build_cli']
 
 # %% ../../nbs/08_replay_build.ipynb #e5f5ed91
 NO_ANSWER = 'ERR'
@@ -99,8 +99,10 @@ class Branch:
     probes: list[str]
     final: str
     finish_reason: str
+    end_tokens: int = 0   # tokens counted after `ids`: the end token a server does not return as text
+    counted: int | None = None   # tokens the server says it generated (n=1, so its count is this branch's); wins when given
     @property
-    def tokens(self) -> int: return len(self.ids)
+    def tokens(self) -> int: return self.counted if self.counted is not None else len(self.ids) + self.end_tokens
     def record(self) -> list: return [list(self.probes), self.tokens, self.final]
 
 def branch_seeds(seed: int, question: int, branches: int) -> list[int]:
@@ -195,6 +197,7 @@ def _check_resume(side: Path, meta: dict):
     if not side.exists(): return
     old = json.loads(side.read_text())
     diff = [k for k in ('model', 'benchmark', 'settings') if old.get(k) != meta.get(k)]
+    if old.get('engine', 'transformers') != meta.get('engine', 'transformers'): diff.append('engine')
     if diff:
         raise ValueError(f"{side}: an earlier build with different {', '.join(diff)} wrote here; "
                          f"pass another --out or delete {side} and {side.with_name(side.name.replace('.build.json', '.json.parts'))}")
@@ -205,11 +208,17 @@ def question_record(problem: Problem, branches: list[Branch], settings: BuildSet
             'final_answers_trace': [b.final for b in branches], 'each_branch': [b.record() for b in branches]}
 
 # %% ../../nbs/08_replay_build.ipynb #14a17b9e
+def _is_server(llm_or_model) -> bool:
+    "Whether the build goes through a server: an `OpenAIBackend` or a base URL."
+    from tmas_nb.llm.openai_backend import OpenAIBackend
+    return isinstance(llm_or_model, OpenAIBackend) or (isinstance(llm_or_model, str) and
+                                                       llm_or_model.startswith(('http://', 'https://')))
+
 def build_store(llm_or_model, benchmark, limit: int | None = None, branches: int = 16, probe_every: int = 64,
                 max_new_tokens: int = 512, out='store.json', seed: int = 0, progress: bool = True,
-                data_dir=None, **settings) -> ReplayStore:
+                data_dir=None, model: str | None = None, tokenizer=None, api_key: str | None = None,
+                concurrency: int = 16, **settings) -> ReplayStore:
     "Sample, probe and write a replay store for the first `limit` problems of `benchmark`; resumes from `out`'s checkpoints."
-    from tqdm.auto import tqdm
     s = BuildSettings(branches=branches, probe_every=probe_every, max_new_tokens=max_new_tokens, seed=seed, **settings)
     problems = benchmark if isinstance(benchmark, list) else load_benchmark(benchmark, data_dir=data_dir)
     if limit is not None:
@@ -217,36 +226,216 @@ def build_store(llm_or_model, benchmark, limit: int | None = None, branches: int
         problems = problems[:limit]
     out = Path(out)
     if out.suffix != '.json': raise ValueError(f"{out}: the store file must end in .json")
-    model, tok, name = _model_and_tokenizer(llm_or_model)
     bench = benchmark if isinstance(benchmark, str) else 'problems'
-    meta = {'model': name, 'benchmark': bench, 'settings': s.to_dict(), 'problem_ids': [p.id for p in problems]}
+    if _is_server(llm_or_model):
+        if concurrency < 1: raise ValueError(f"--concurrency must be >= 1, got {concurrency}")
+        from tmas_nb.llm.core import run_sync
+        llm = _server_backend(llm_or_model, model, api_key, concurrency)
+        return run_sync(_build_through_server(llm, problems, bench, s, out, progress, tokenizer))
+    m, tok, name = _model_and_tokenizer(llm_or_model)
+    meta = {'model': name, 'engine': 'transformers', 'benchmark': bench, 'settings': s.to_dict(),
+            'problem_ids': [p.id for p in problems],
+            'branch_seeds': 'tmas_nb.replay.build.branch_seeds(seed, question index, branches)'}
+    def one(qi, p): return sample_branches(m, tok, prompt_ids(tok, p.question, s), s, branch_seeds(s.seed, qi, s.branches))
+    return _build_loop(problems, s, out, meta, one, progress, name)
+
+def _todo(problems, out, meta) -> list[int]:
+    "Check the sidecar against `meta`, start it, and list the questions without a checkpoint."
     side, parts = sidecar_path(out), parts_dir(out)
     _check_resume(side, meta)
     parts.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(side, {**meta, 'branch_seeds': 'tmas_nb.replay.build.branch_seeds(seed, question index, branches)',
-                             'complete': False})
+    atomic_write_json(side, {**meta, 'complete': False})
+    return [qi for qi in range(len(problems)) if not (parts / f'q{qi:05d}.json').exists()]
+
+def _checkpoint(out, qi: int, p: Problem, bs: list[Branch], s: BuildSettings):
+    atomic_write_json(parts_dir(out) / f'q{qi:05d}.json', {'id': p.id, 'record': question_record(p, bs, s),
+                                                          'finish_reasons': [b.finish_reason for b in bs]})
+
+def _finish(problems, out, meta, name, done: int, t0: float, **extra) -> ReplayStore:
+    "Assemble the store from the checkpoints, validate it, write it and complete the sidecar."
+    parts = parts_dir(out)
+    records = [json.loads((parts / f'q{qi:05d}.json').read_text())['record'] for qi in range(len(problems))]
+    ReplayStore.from_records(records, name=f'{name}/{out.stem}', path=out)   # validate before writing
+    atomic_write_text(out, json.dumps(records, ensure_ascii=False))
+    atomic_write_json(sidecar_path(out), {**meta, **extra, 'complete': True, 'questions_built_now': done,
+                                          'seconds_now': round(time.time() - t0, 1)})
+    return load_store_file(out)
+
+def _build_loop(problems, s, out, meta, one, progress, name) -> ReplayStore:
+    "The in-process build: one question after the other, each checkpointed as soon as it is done."
+    from tqdm.auto import tqdm
     t0, done = time.time(), 0
-    todo = [qi for qi in range(len(problems)) if not (parts / f'q{qi:05d}.json').exists()]
+    todo = _todo(problems, out, meta)
     for qi in tqdm(todo, desc=f'building {out.name}', unit='question', disable=not progress,
                    total=len(problems), initial=len(problems) - len(todo)):
-        p, f = problems[qi], parts / f'q{qi:05d}.json'
-        bs = sample_branches(model, tok, prompt_ids(tok, p.question, s), s, branch_seeds(s.seed, qi, s.branches))
-        atomic_write_json(f, {'id': p.id, 'record': question_record(p, bs, s), 'finish_reasons': [b.finish_reason for b in bs]})
-        done += 1
-    records = [json.loads((parts / f'q{qi:05d}.json').read_text())['record'] for qi in range(len(problems))]
-    store = ReplayStore.from_records(records, name=f'{name}/{out.stem}', path=out)   # validate before writing
-    atomic_write_text(out, json.dumps(records, ensure_ascii=False))
-    atomic_write_json(side, {**meta, 'branch_seeds': 'tmas_nb.replay.build.branch_seeds(seed, question index, branches)',
-                             'complete': True, 'questions_built_now': done, 'seconds_now': round(time.time() - t0, 1)})
-    return load_store_file(out)
+        _checkpoint(out, qi, problems[qi], one(qi, problems[qi]), s); done += 1
+    return _finish(problems, out, meta, name, done, t0)
+
+# %% ../../nbs/08_replay_build.ipynb #ec8ab854
+def server_branch_seeds(seed: int, question: int, branches: int) -> list[int]:
+    "The seed sent to the server for every branch of question `question`: `branch_seeds` reduced to 31 bits."
+    return [s % 2 ** 31 for s in branch_seeds(seed, question, branches)]
+
+def _local_tokenizer(tokenizer, served_model: str):
+    "The local tokenizer for a server build: the one given (object, name or folder), else the served name's when it is local."
+    if tokenizer == 'server': return None
+    if tokenizer is not None and not isinstance(tokenizer, str): return tokenizer
+    from tmas_nb.llm.models import packaged_model, resolve_model
+    name = tokenizer or served_model
+    if tokenizer is None and not (packaged_model(name) or Path(name).expanduser().is_dir()): return None
+    from transformers import AutoTokenizer
+    try: return AutoTokenizer.from_pretrained(resolve_model(name))
+    except Exception as e:
+        raise ValueError(f"--tokenizer {name}: cannot load it ({type(e).__name__}: {str(e)[:200]}); pass a packaged model name, "
+                         "a local folder or a hub id of the served model's tokenizer, or --tokenizer server") from e
+
+# %% ../../nbs/08_replay_build.ipynb #ec39e937
+class ServerBranches:
+    "Sample and probe the branches of one question through a server's completions endpoint."
+    def __init__(self, llm, settings: BuildSettings, tokenizer=None):
+        self.llm, self.s, self.tok = llm, settings, tokenizer
+        self.token_source = 'tokenizer' if tokenizer is not None else 'tokenize'
+        self._suffix = None
+
+    async def encode(self, text: str) -> list[int]:
+        "Token ids of generated text (no special tokens added): the local tokenizer's, else the server's."
+        if self.tok is not None: return list(self.tok.encode(text, add_special_tokens=False))
+        return await self.llm.tokenize(text)
+
+    async def prompt_ids(self, question: str) -> list[int]:
+        "Token ids of the solve prompt through the chat template (rendered locally, else by the server)."
+        if self.tok is not None: return prompt_ids(self.tok, question, self.s)
+        from tmas_nb.llm.core import Request
+        msgs = Request.from_prompt(self.s.prompt.format(question=question)).messages
+        return await self.llm.tokenize(messages=msgs, enable_thinking=self.s.enable_thinking)
+
+    async def complete(self, ids: list[int], role: str, **kw):
+        "One completion of the token ids `ids`."
+        from tmas_nb.llm.core import Request
+        [[c]] = await self.llm.generate([Request.raw(list(ids), role=role, **kw)])
+        return c
+
+    async def probe(self, ids: list[int]) -> str:
+        "The answer forced out of `ids` (which end with the probe suffix), by a short greedy completion."
+        c = await self.complete(ids, 'probe', temperature=0, max_new_tokens=self.s.probe_tokens)
+        return probe_reading(self.s.probe_suffix, c.raw)
+
+    async def branch(self, prompt: list[int], seed: int) -> Branch:
+        "One branch: a seeded completion, its ids re-tokenized, a probe every T of them, and its final answer."
+        s = self.s
+        if self._suffix is None: self._suffix = await self.encode(s.probe_suffix)
+        c = await self.complete(prompt, 'branch', temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                max_new_tokens=s.max_new_tokens, seed=seed)
+        ids, cut = await self.encode(c.raw), c.finish_reason == 'length'
+        # The branch's length is the server's own count when it gives one (re-tokenized text can split a token in two);
+        # probe positions follow that count, the prefix of each probe is the re-tokenized text up to it.
+        counted = c.completion_tokens if c.completion_tokens and c.completion_tokens > 0 else None
+        ran = (counted - (0 if cut else 1)) if counted is not None else len(ids)
+        points = list(range(s.probe_every, ran + 1, s.probe_every))
+        ends = points + ([ran] if cut and (not points or points[-1] != ran) else [])
+        answers = await asyncio.gather(*(self.probe(prompt + ids[:k] + self._suffix) for k in ends))
+        final = answers[-1] if cut else store_answer(extract_answer(c.text or c.raw))
+        return Branch(ids, list(answers[:len(points)]), final, 'length' if cut else 'stop', end_tokens=0 if cut else 1,
+                      counted=counted)
+
+    async def question(self, question: str, seeds: list[int]) -> list[Branch]:
+        "All branches of one question, sent together."
+        prompt = await self.prompt_ids(question)
+        return list(await asyncio.gather(*(self.branch(prompt, sd) for sd in seeds)))
+
+# %% ../../nbs/08_replay_build.ipynb #23d47b6b
+def _server_backend(llm_or_url, model: str | None, api_key: str | None, concurrency: int):
+    "An `OpenAIBackend` from a base URL, or the backend given."
+    from tmas_nb.llm.openai_backend import OpenAIBackend
+    if isinstance(llm_or_url, OpenAIBackend): return llm_or_url
+    return OpenAIBackend(model, base_url=llm_or_url, api_key=api_key, max_concurrency=concurrency, discover=False)
+
+_TOKENIZER_CHECK = 'Compute 12 * 34 step by step: first 12 * 30 = 360, then 12 * 4 = 48; so the answer is \\boxed{408}.'
+
+async def _server_session(llm, tokenizer, settings: BuildSettings) -> ServerBranches:
+    "Check the server (reachable, serving the model, tokenizer agreeing) and return the per-question worker."
+    import httpx
+    from tmas_nb.llm.openai_backend import LLMRequestError
+    headers = {'Authorization': f'Bearer {llm.api_key}'} if llm.api_key else {}
+    try:
+        async with httpx.AsyncClient(timeout=llm.connect_timeout) as client: r = await client.get(llm.base_url + '/models', headers=headers)
+    except httpx.HTTPError as e:
+        raise ValueError(f"cannot reach {llm.base_url} ({type(e).__name__}: {e}); start the server (e.g. tmas serve --model "
+                         "smollm2) or fix --base-url") from None
+    if r.status_code == 401: raise ValueError(f"{llm.base_url} refused the API key (HTTP 401); pass --api-key KEY")
+    try: names = [m['id'] for m in r.json()['data']]
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"{llm.base_url}/models answered HTTP {r.status_code} without a model list; is --base-url an "
+                         "OpenAI-compatible server (ending in /v1)?") from None
+    if llm.model is None:
+        if len(names) != 1: raise ValueError(f"{llm.base_url} serves {names}; pass --model with one of them")
+        llm.model = llm.model_id = names[0]
+    elif llm.model not in names:
+        raise ValueError(f"{llm.base_url} serves {names}, not {llm.model!r}; pass --model with the served name")
+    tok = _local_tokenizer(tokenizer, llm.model)
+    if tok is not None:
+        try: theirs = await llm.tokenize(_TOKENIZER_CHECK)
+        except LLMRequestError: theirs = None             # the server cannot tokenize: trust the local tokenizer
+        ours = list(tok.encode(_TOKENIZER_CHECK, add_special_tokens=False))
+        if theirs is not None and theirs != ours:
+            raise ValueError(f"the local tokenizer ({tokenizer or llm.model}) does not match the one of {llm.base_url} "
+                             f"({len(ours)} vs {len(theirs)} tokens for a test sentence); pass --tokenizer with the served model's "
+                             "tokenizer, or --tokenizer server")
+    return ServerBranches(llm, settings, tok)
+
+def _server_error(llm, e) -> ValueError:
+    "A one-line error for a failed request of a server build."
+    if e.status_code == 404 and 'does not exist' not in e.last_error:
+        return ValueError(f"{llm.base_url} has no completions endpoint (POST {llm.base_url}/completions answered 404), which "
+                          "the build needs for its probes; serve the model with tmas serve, vLLM, SGLang or llama-server, or "
+                          "build in this process with --model NAME and no --base-url")
+    if 'tokenize' in str(e) or 'chat template' in str(e):
+        return ValueError(f"{e}; pass --tokenizer NAME (the served model's tokenizer: a packaged name, local folder or hub id)")
+    return ValueError(f"the server build failed: {e}")
+
+# %% ../../nbs/08_replay_build.ipynb #3accf286
+async def _build_through_server(llm, problems, bench, s: BuildSettings, out: Path, progress: bool, tokenizer) -> ReplayStore:
+    "The server build: a few questions in flight at once, each checkpointed as soon as it is done."
+    from tqdm.auto import tqdm
+    from tmas_nb.llm.openai_backend import LLMRequestError
+    try:
+        worker = await _server_session(llm, tokenizer, s)
+        name = llm.model
+        meta = {'model': name, 'engine': 'server', 'benchmark': bench, 'settings': s.to_dict(),
+                'problem_ids': [p.id for p in problems],
+                'branch_seeds': 'tmas_nb.replay.build.server_branch_seeds(seed, question index, branches)',
+                'base_url': llm.base_url, 'served_model': name, 'token_source': worker.token_source,
+                'tokenizer': None if worker.tok is None else (tokenizer if isinstance(tokenizer, str) else name)}
+        t0, done = time.time(), 0
+        todo = _todo(problems, out, meta)
+        gate = asyncio.Semaphore(max(1, llm.max_concurrency // (s.branches * (1 + s.max_new_tokens // s.probe_every))) + 1)
+        async def one(qi):
+            async with gate: return qi, await worker.question(problems[qi].question, server_branch_seeds(s.seed, qi, s.branches))
+        bar = tqdm(desc=f'building {out.name}', unit='question', disable=not progress, total=len(problems),
+                   initial=len(problems) - len(todo))
+        tasks = [asyncio.ensure_future(one(qi)) for qi in todo]
+        try:
+            for fut in asyncio.as_completed(tasks):
+                qi, bs = await fut
+                _checkpoint(out, qi, problems[qi], bs, s); done += 1; bar.update(1)
+        finally:
+            bar.close()
+            for t in tasks: t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await llm.aclose()
+    except LLMRequestError as e: raise _server_error(llm, e) from None
+    return _finish(problems, out, meta, name, done, t0, server=llm.record())
 
 # %% ../../nbs/08_replay_build.ipynb #44526088
 def _cmd_build(args) -> int:
     if args.threads: 
         import torch; torch.set_num_threads(args.threads)
     kw = dict(temperature=args.temperature, top_p=args.top_p, probe_tokens=args.probe_tokens)
-    st = build_store(args.model, args.benchmark, args.limit, args.branches, args.probe_every, args.max_new_tokens,
-                     args.out, args.seed, data_dir=args.data_dir, **kw)
+    if args.base_url:
+        kw.update(model=args.model, tokenizer=args.tokenizer, api_key=args.api_key, concurrency=args.concurrency)
+    elif args.tokenizer or args.api_key: raise ValueError("--tokenizer and --api-key are for a server build; add --base-url URL")
+    st = build_store(args.base_url or args.model, args.benchmark, args.limit, args.branches, args.probe_every,
+                     args.max_new_tokens, args.out, args.seed, data_dir=args.data_dir, **kw)
     print(f"{args.out}: {st.n_questions} questions x {int(st.n_branches.max())} branches, a probe every {args.probe_every} tokens, "
           f"{st.tokens.mean():.0f} tokens per branch on average; settings in {sidecar_path(args.out)}")
     return 0
@@ -256,7 +445,8 @@ def add_build_cli(replay_subparsers) -> None:
     b = replay_subparsers.add_parser('build', help='build a replay store from a model (branches probed every T tokens)',
                                      description='Sample B branches per question, probe each every T tokens, write a store the loader validates. '
                                                  'Resumes from STORE.json.parts/ after an interruption.')
-    b.add_argument('--model', required=True, help="model: packaged name (default, smollm2), local folder or hub id")
+    b.add_argument('--model', required=True,
+                   help="model: packaged name (default, smollm2), local folder or hub id; with --base-url the served model's name")
     b.add_argument('--benchmark', required=True, metavar='NAME_OR_FILE', help='benchmark name (demo, hmmt25, ...) or a JSONL/CSV file')
     b.add_argument('--limit', type=int, default=None, help='only the first K problems')
     b.add_argument('--branches', type=int, required=True, help='branches per question')
@@ -269,4 +459,11 @@ def add_build_cli(replay_subparsers) -> None:
     b.add_argument('--probe-tokens', type=int, default=12, help='greedy tokens decoded per probe (default 12)')
     b.add_argument('--threads', type=int, default=None, help='torch CPU threads')
     b.add_argument('--data-dir', default=None, help='data folder for named benchmarks')
+    b.add_argument('--base-url', default=None, metavar='URL',
+                   help="build through this OpenAI-compatible server's /v1/completions (e.g. http://127.0.0.1:8000/v1)")
+    b.add_argument('--api-key', default=None, help='API key for --base-url (default: $OPENAI_API_KEY)')
+    b.add_argument('--tokenizer', default=None, metavar='NAME',
+                   help="tokenizer of the served model for --base-url (default: --model when it is packaged or a local folder, "
+                        "else the server's; 'server' forces the server's)")
+    b.add_argument('--concurrency', type=int, default=16, help='most requests in flight with --base-url (default 16)')
     b.set_defaults(func=_cmd_build)
