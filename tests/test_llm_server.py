@@ -424,3 +424,15 @@ def test_serve_refuses_other_hosts_without_a_key():
                        capture_output=True, text=True, timeout=60, env=env)
     assert p.returncode != 0 and 'tmas serve: loading /no/such/model-folder' in p.stderr, p.stderr[-2000:]
     assert '--allow-unauthenticated' not in p.stderr
+
+
+def test_serve_on_a_taken_port_fails_before_loading_the_model():
+    "The port is taken first: a busy port is one error line at once, with no model loaded."
+    env = {**os.environ, 'HF_HUB_OFFLINE': '1'}
+    with socket.socket() as busy:
+        busy.bind(('127.0.0.1', 0)); busy.listen(1)
+        port = busy.getsockname()[1]
+        p = subprocess.run([sys.executable, '-m', 'tmas_nb.cli', 'serve', '--model', MODEL, '--port', str(port)],
+                           capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 2 and f'cannot listen on 127.0.0.1:{port}' in p.stderr and '--port' in p.stderr, p.stderr[-2000:]
+    assert 'loading' not in p.stderr and 'Traceback' not in p.stderr, p.stderr[-2000:]

@@ -253,9 +253,9 @@ def _uvicorn_server(app, log_level: str):
     config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_keep_alive=30, lifespan='off')
     return uvicorn.Server(config)
 
-def serve(llm: LLM, host: str = '127.0.0.1', port: int = 8000, log_level: str = 'warning', **app_kw):
-    "Serve `llm` until interrupted (Ctrl-C or SIGTERM)."
-    sock = _bind(host, port)
+def serve(llm: LLM, host: str = '127.0.0.1', port: int = 8000, log_level: str = 'warning', sock=None, **app_kw):
+    "Serve `llm` until interrupted (Ctrl-C or SIGTERM), on `sock` when the caller already holds the port."
+    sock = sock or _bind(host, port)
     server = _uvicorn_server(create_app(llm, **app_kw), log_level)
     try: server.run(sockets=[sock])
     finally: sock.close()
@@ -317,14 +317,16 @@ def _serve_command(args) -> int:
         raise ValueError(f"--engine {args.engine!r} is unknown; use 'transformers' or 'llama.cpp'")
     kw = {k: v for k, v in dict(device=args.device, num_threads=args.num_threads, dtype=args.dtype,
                                 max_batch_size=args.max_batch_size).items() if v is not None}
+    sock = _bind(args.host, args.port)   # a taken port fails at once, not after the model has loaded
     t0 = time.perf_counter()
     print(f'tmas serve: loading {args.model} ...', file=sys.stderr, flush=True)
-    llm = load_llm(args.model, backend='transformers', **kw)
+    try: llm = load_llm(args.model, backend='transformers', **kw)
+    except BaseException: sock.close(); raise
     name = args.served_model_name or args.model
     print(f'tmas serve: {name} ready in {time.perf_counter() - t0:.1f}s at http://{args.host}:{args.port}/v1',
           file=sys.stderr, flush=True)
     try:
-        serve(llm, host=args.host, port=args.port, log_level=args.log_level, served_model_name=name,
+        serve(llm, host=args.host, port=args.port, log_level=args.log_level, sock=sock, served_model_name=name,
               max_n=args.max_n, default_max_tokens=args.default_max_tokens, max_tokens_limit=args.max_tokens_limit,
               api_key=api_key)
     finally:
