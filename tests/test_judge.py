@@ -54,3 +54,14 @@ def test_judging_again_is_served_from_the_cache(judged_run):
     assert meta['cache']['misses'] == 0 and meta['cache']['hits'] == 2 * meta['judged_candidates']
     after = pq.read_table(d / 'records.parquet').to_pandas()
     assert before.correct_judge0.tolist() == after.correct_judge0.tolist()
+
+
+def test_rerunning_the_finished_run_keeps_the_judge_columns(judged_run):
+    d, _ = judged_run
+    before = pq.read_table(d / 'records.parquet').to_pandas()
+    tmas('run', '--method', 'sampling', '--benchmark', 'demo', '--model', 'smollm2', '--limit', '2', '--n-candidates', '2',
+         '--max-new-tokens', '80', '--threads', '1', '--quiet', '--out', str(d))      # the same command again: nothing to do
+    after = pq.read_table(d / 'records.parquet').to_pandas()
+    cols = [c for c in before.columns if c.startswith('correct_judge')]
+    assert cols and [c for c in after.columns if c.startswith('correct_judge')] == cols
+    assert after[cols].equals(before[cols]) and after.solution.tolist() == before.solution.tolist()
