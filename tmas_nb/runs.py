@@ -128,36 +128,31 @@ def collect_run(run_dir, problem_ids: Sequence[str] | None = None) -> tuple[list
             events += [{'problem_id': pid, 'iteration': cp['iteration'], **u} for u in cp['memory']]
     return records, banks, _sum_usage(usage), events
 
-_JUDGE_KEY = ('problem_id', 'iteration', 'candidate', 'branch', 'solution')
+_JUDGE_KEY = ['problem_id', 'iteration', 'candidate', 'branch', 'solution']
 
-def _judge_columns(path: Path, records: list[dict]) -> dict:
-    "The `correct_judge<k>` columns `tmas judge` wrote into `path`, when its records are the ones about to be written."
-    if not path.exists(): return {}
-    import pyarrow.parquet as pq
-    t = pq.read_table(path)
-    cols = [c for c in t.column_names if c.startswith('correct_judge')]
-    if not cols: return {}
-    old = t.select(list(_JUDGE_KEY)).to_pylist()
-    if old != [{k: r.get(k) for k in _JUDGE_KEY} for r in records]:
+def _carried_verdicts(path: Path, records: list[dict]) -> list[list[bool]]:
+    "The verdicts `tmas judge` wrote into `path` (one list per judge run), when its records are the ones about to be written."
+    if not path.exists(): return []
+    import pandas as pd
+    old = pd.read_parquet(path)
+    cols = judge_columns(old)
+    if not cols: return []
+    if old[_JUDGE_KEY].to_dict('records') != [{k: r.get(k) for k in _JUDGE_KEY} for r in records]:
         print(f"{path.parent}: the records changed since `tmas judge` graded them; its columns are dropped "
               f"(rerun `tmas judge {path.parent} ...`: its cache answers what was judged before)", file=sys.stderr)
-        return {}
-    return {c: t.column(c) for c in cols}
-
-def _append_columns(path: Path, cols: dict) -> None:
-    import pyarrow.parquet as pq
-    t = pq.read_table(path)
-    for name, col in cols.items(): t = t.append_column(name, col)
-    buf = io.BytesIO(); pq.write_table(t, buf); atomic_write_bytes(path, buf.getvalue())
+        return []
+    return [old[c].tolist() for c in cols]
 
 def finish_run(run_dir, cache_stats: dict | None = None) -> Path:
     "Write `records.parquet`, `banks.parquet` and `usage.json` from the checkpoints of `run_dir`."
     run_dir = Path(run_dir)
     cfg = json.loads((run_dir / 'config.json').read_text(encoding='utf-8'))
     records, banks, usage, events = collect_run(run_dir, cfg.get('problem_ids'))
-    judged = _judge_columns(run_dir / 'records.parquet', records)
+    verdicts = _carried_verdicts(run_dir / 'records.parquet', records)
     write_parquet(run_dir / 'records.parquet', records, record_schema())
-    if judged: _append_columns(run_dir / 'records.parquet', judged)
+    if verdicts:
+        from tmas_nb.judge import write_judge_columns   # judge imports this module
+        write_judge_columns(run_dir, verdicts)
     write_parquet(run_dir / 'banks.parquet', banks, bank_schema())
     total = _sum_usage([{'total': d} for d in usage.values()]).get('total', {})
     atomic_write_json(run_dir / 'usage.json', {'by_role': usage, 'total': total,
