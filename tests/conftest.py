@@ -3,6 +3,9 @@ import os
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 os.environ.setdefault('TRANSFORMERS_OFFLINE', '1')
 os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false')
+# `tmas run --backend auto` reads engine calibrations; the tests never see (or write) the user's own
+import tempfile
+os.environ['TMAS_ENGINES_DIR'] = tempfile.mkdtemp(prefix='tmas-engines-')
 
 import pytest
 

@@ -1,7 +1,8 @@
 """OpenAIBackend and `tmas run` against llama.cpp's own servers, on 127.0.0.1, with the packaged default model's GGUF.
 
-`llama-server` is built from the llama.cpp sources in llama-cpp-python's source distribution (see nbs/15a_llm_llamacpp);
-`find_llama_server` finds it through $TMAS_LLAMA_SERVER or ~/.cache/tmas_nb/llama.cpp/. `python -m llama_cpp.server`
+`llama-server` is built from the llama.cpp sources in llama-cpp-python's source distribution by
+`tmas engines build-llama` (about 7 minutes on 2 cores); `find_llama_server` finds it through $TMAS_LLAMA_SERVER or
+~/.cache/tmas_nb/llama.cpp/. `python -m llama_cpp.server`
 needs `pip install "llama-cpp-python[server]"`. The tests take minutes, so they are marked slow: run them with
 `pytest tests/test_llamacpp_interop.py --runslow` (or TMAS_SLOW=1). Where a server is not available they are skipped
 with the reason and the way to get it, never silently.

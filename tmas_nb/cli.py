@@ -16,6 +16,7 @@ COMMAND_MODULES = [
     'tmas_nb.replay.evaluation',
     'tmas_nb.grading',
     'tmas_nb.llm.server',
+    'tmas_nb.llm.engines',
     'tmas_nb.runs',
     'tmas_nb.reporting',
     'tmas_nb.rl',

@@ -79,6 +79,9 @@ def run_doctor(model: str = 'default', device: str | None = None, engine: str = 
         report['engine_stats'] = engine_stats(llm)
     finally:
         if backend is None: llm.close()
+    if not report['device'].get('cuda'):   # which engine `tmas run --backend auto` would run a run of each width on
+        from tmas_nb.llm.engines import choose_engine
+        report['run_engines'] = {w: (ch.backend, ch.reason) for w in (1, 8, 64) for ch in [choose_engine(model, w, device='cpu')]}
     report['ok'] = bool(report['seeds']['equal'] and not report['engine_stats'].get('engine_fallbacks'))
     return report
 
@@ -104,6 +107,10 @@ def format_report(r: dict) -> str:
              f"({g['completion_tokens']} tokens, {g['finish_reason']})",
              f"  fallbacks   " + ('none' if not falls else '; '.join(f"{f['engine']} -> {f['instead']}: {_short(f['error'], 60)}" for f in falls)),
              f"  verdict     {'ok' if r['ok'] else 'PROBLEMS FOUND (see above)'}"]
+    if r.get('run_engines'):
+        ch = r['run_engines']
+        lines.insert(-1, '  run engine  --backend auto: ' + ', '.join(f"{w} wide -> {b}" for w, (b, _) in ch.items())
+                     + f" ({_short(next(iter(ch.values()))[1], 90)})")
     if not s['equal'] and s.get('example'):
         lines.insert(5, f"              alone {_short(s['example']['alone'], 40)!r} vs batched {_short(s['example']['batched'], 40)!r}")
     return '\n'.join(lines)

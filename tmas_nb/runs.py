@@ -19,8 +19,8 @@ __all__ = ['RUN_FILES', 'FINISHED_FILES', 'BANK_COLUMNS', 'IDENTITY_KEYS', 'TMAS
            'PRESET_HELP', 'record_schema', 'bank_schema', 'write_parquet', 'versions', 'RunConfigMismatch',
            'run_config', 'prepare_run_dir', 'collect_run', 'finish_run', 'write_status', 'read_status', 'judge_columns',
            'grading_label', 'carry_forward', 'pass_at_1_by_iteration', 'tmas_variant', 'run_label', 'best_candidates',
-           'Run', 'banks_frame', 'load_run', 'record_server', 'start_run', 'preset_settings', 'model_context_length',
-           'cap_to_context', 'config_from_args', 'add_cli']
+           'Run', 'banks_frame', 'load_run', 'record_server', 'resolve_auto_backend', 'start_run', 'preset_settings',
+           'model_context_length', 'cap_to_context', 'config_from_args', 'add_cli']
 
 # %% ../nbs/24_runs.ipynb #e90ea9e1
 RUN_FILES = ('config.json', 'calls.sqlite', 'checkpoints', 'banks', 'records.parquet', 'banks.parquet',
@@ -29,7 +29,7 @@ FINISHED_FILES = ('records.parquet', 'banks.parquet', 'usage.json')
 "What `finish_run` writes from the checkpoints when a run ends."
 BANK_COLUMNS = ('problem_id', 'iteration', 'bank', 'items', 'n_items')
 "The columns of `banks.parquet`: one snapshot of one memory bank of one problem after one iteration."
-IDENTITY_KEYS = ('method', 'config', 'benchmark', 'problem_ids', 'model', 'backend')
+IDENTITY_KEYS = ('method', 'config', 'benchmark', 'problem_ids', 'model', 'backend', 'quantize')
 "The parts of `config.json` that must match for a rerun on the same folder to resume it."
 
 def record_schema():
@@ -73,7 +73,7 @@ def run_config(method: str, config: MethodConfig, benchmark: str, problem_ids: S
     from tmas_nb.llm.models import canonical_model_name
     return {'method': method, 'config': config.to_dict(), 'benchmark': str(benchmark), 'limit': limit, 'preset': preset,
             'problem_ids': [str(p) for p in problem_ids], 'model': model,
-            'model_id': canonical_model_name(model) if backend == 'transformers' else model,
+            'model_id': canonical_model_name(model) if backend in ('transformers', 'llama.cpp') else model,
             'backend': backend, 'base_url': base_url,
             'seeds': {'run_seed': config.seed, 'per_call': 'sha256 of (run seed, problem id, iteration, candidate, role)'},
             'versions': versions(), 'started': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}
@@ -344,6 +344,24 @@ def record_server(run_dir, llm) -> dict | None:
     atomic_write_json(path, cfg)
     return cfg['server']
 
+def resolve_auto_backend(run_dir, model: str, config, concurrency: int, llm_kw: dict) -> tuple[str, dict, dict]:
+    "(backend, engine_choice, backend keywords) for `--backend auto`: the run's recorded engine, else the measured faster one."
+    from tmas_nb.llm.engines import choose_engine, run_width
+    threads = llm_kw.get('num_threads') or llm_kw.get('threads')
+    rest = {k: v for k, v in llm_kw.items() if k not in ('num_threads', 'threads')}
+    path = Path(run_dir) / 'config.json'
+    old = None
+    if path.is_file():
+        try: old = json.loads(path.read_text(encoding='utf-8'))
+        except json.JSONDecodeError: old = None   # prepare_run_dir reports it
+    if old and old.get('backend') in ('transformers', 'llama.cpp'):   # a resumed run keeps the engine it started on
+        choice = old.get('engine_choice') or {'backend': old['backend'], 'kwargs': {}, 'reason': 'recorded by an earlier version'}
+        kw = dict(choice.get('kwargs') or {})
+        if threads: kw['num_threads' if old['backend'] == 'transformers' else 'threads'] = threads
+        return old['backend'], choice, {**kw, **rest}
+    c = choose_engine(model, run_width(config, concurrency), threads)
+    return c.backend, c.to_dict(), {**c.kwargs, **rest}
+
 async def start_run(method: str, problems, config: MethodConfig | dict | None, run_dir, model: str = 'default',
                     backend: str = 'transformers', benchmark: str = '', llm=None, base_url: str | None = None,
                     limit: int | None = None, concurrency: int = 4, progress: bool = True, preset: str | None = None,
@@ -354,14 +372,21 @@ async def start_run(method: str, problems, config: MethodConfig | dict | None, r
     m = make_method(method, config)
     problems = list(problems)
     run_dir = Path(run_dir)
-    prepare_run_dir(run_dir, run_config(method, m.config, benchmark, [p.id for p in problems], model, backend, base_url, limit, preset))
+    choice = None
+    if backend == 'auto' and llm is None: backend, choice, llm_kw = resolve_auto_backend(run_dir, model, m.config, concurrency, llm_kw)
+    cfg = run_config(method, m.config, benchmark, [p.id for p in problems], model, backend, base_url, limit, preset)
+    if choice is not None: cfg['engine_choice'] = choice
+    if choice is not None and progress:
+        print(f"engine: {choice.get('engine', backend)} ({choice.get('reason', '')})", file=sys.stderr, flush=True)
+    cfg['quantize'] = llm_kw.get('quantize') if llm is None else None
+    prepare_run_dir(run_dir, cfg)
     before = read_status(run_dir)
     write_status(run_dir, False, before.get('wall_s', 0.0), invocations=before.get('invocations', 0) + 1)
     t0 = time.perf_counter()
     if llm is None:
         if backend == 'openai': llm_kw.setdefault('base_url', base_url)
         name = None if backend == 'openai' and model == 'default' else model   # the server's own model
-        cached = load_llm(name, backend, cache=str(run_dir / 'calls.sqlite'), lazy=backend == 'transformers', **llm_kw)
+        cached = load_llm(name, backend, cache=str(run_dir / 'calls.sqlite'), lazy=backend in ('transformers', 'llama.cpp'), **llm_kw)
     else:
         cached = CachedLLM(llm, run_dir / 'calls.sqlite', close_backend=False)
     try:
@@ -416,7 +441,7 @@ def preset_settings(preset: str | None, method: str) -> dict:
 
 def model_context_length(model: str, backend: str = 'transformers') -> int | None:
     "The context length (tokens) of a local or packaged model from its config.json; None when it cannot be read."
-    if backend != 'transformers': return None
+    if backend == 'openai': return None
     try:
         from tmas_nb.llm.models import resolve_model
         p = Path(resolve_model(model)) / 'config.json'
@@ -473,7 +498,16 @@ def _cmd_run(args) -> int:
     if args.problem_ids: problems = select_problems(problems, read_problem_ids(args.problem_ids))
     if args.limit is not None: problems = first_k(problems, args.limit)
     bench = args.benchmark if not Path(args.benchmark).exists() else str(Path(args.benchmark).resolve())
-    kw = {'num_threads': args.threads} if args.backend == 'transformers' and args.threads else {}
+    kw = {}
+    if args.threads: kw['threads' if args.backend in ('llama.cpp', 'auto') else 'num_threads'] = args.threads
+    if args.threads and args.backend == 'openai': raise ValueError("--threads applies to the engines run here (transformers, llama.cpp, auto), not to --backend openai")
+    if getattr(args, 'quantize', None) is not None:
+        if args.backend != 'transformers': raise ValueError("--quantize applies to --backend transformers only (auto picks it by measurement)")
+        kw['quantize'] = args.quantize
+    if getattr(args, 'llama_slots', None) is not None:
+        if args.backend != 'llama.cpp': raise ValueError("--llama-slots applies to --backend llama.cpp only")
+        if args.llama_slots < 1: raise ValueError(f"--llama-slots must be >= 1, got {args.llama_slots}")
+        kw['n_parallel'] = args.llama_slots
     if getattr(args, 'max_n_per_call', None) is not None:
         if args.backend != 'openai': raise ValueError("--max-n-per-call applies to --backend openai only")
         if args.max_n_per_call < 1: raise ValueError(f"--max-n-per-call must be >= 1, got {args.max_n_per_call}")
@@ -507,7 +541,15 @@ def add_cli(subparsers):
     p.add_argument('--method', required=True, choices=list(METHODS), help='the method to run')
     p.add_argument('--benchmark', required=True, help="a benchmark name (demo, imo_answerbench, hmmt24, hmmt25) or a JSONL/CSV file")
     p.add_argument('--model', default='default', help="'default' (Qwen2.5-Coder-0.5B), 'smollm2', a model folder, or the served model name")
-    p.add_argument('--backend', default='transformers', choices=['transformers', 'openai'], help='where the model runs')
+    p.add_argument('--backend', default='auto', choices=['auto', 'transformers', 'llama.cpp', 'openai'],
+                   help="where the model runs: auto (default) picks, on a CPU, whichever of transformers and llama.cpp "
+                        "`tmas engines calibrate` measured faster for this run's width, else transformers; the choice "
+                        "and its reason go into config.json and a resumed run keeps it")
+    p.add_argument('--quantize', default=None, choices=['int8'],
+                   help='with --backend transformers on a CPU: int8 linear layers scaled per activation row (seeds stay exact)')
+    p.add_argument('--llama-slots', dest='llama_slots', type=int, default=None,
+                   help='llama.cpp slots (with --backend llama.cpp; default 1, the seed-exact setting; more is faster '
+                        'with many requests in flight but a seeded request then depends on its neighbours)')
     p.add_argument('--base-url', default=None, help='URL of an OpenAI-compatible server (with --backend openai)')
     p.add_argument('--max-n-per-call', dest='max_n_per_call', type=int, default=None,
                    help='most samples asked of the server in one call (with --backend openai; learnt from refusals otherwise)')
@@ -527,7 +569,7 @@ def add_cli(subparsers):
     p.add_argument('--answer-from-truncated', dest='answer_from_truncated', action='store_true', default=None,
                    help='grade an output cut off by the token limit by its last finished \\boxed{} (default: it has no answer)')
     p.add_argument('--concurrency', type=int, default=4, help='problems run at the same time')
-    p.add_argument('--threads', type=int, default=None, help='torch CPU threads (transformers backend)')
+    p.add_argument('--threads', type=int, default=None, help='CPU threads of the engine (transformers, llama.cpp, auto; default every core)')
     p.add_argument('--config', default=None, help='JSON file of method settings (or a run\'s config.json)')
     p.add_argument('--out', required=True, help='the run folder')
     p.add_argument('--quiet', action='store_true', help='no progress bar')

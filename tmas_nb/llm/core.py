@@ -269,7 +269,7 @@ class LLM(ABC):
     def __repr__(self): return f"{type(self).__name__}({self.model_id!r})"
 
 # %% ../../nbs/10_llm_core.ipynb #35808ae9
-BACKENDS = ('transformers', 'openai', 'llama.cpp')
+BACKENDS = ('transformers', 'openai', 'llama.cpp', 'auto')
 
 class LazyLLM(LLM):
     "An `LLM` whose backend is built by `factory()` when the first request arrives."
@@ -296,6 +296,13 @@ def load_llm(model: str = 'default', backend: str = 'transformers', cache: str |
              **kw) -> LLM:
     "Build an `LLM` for `model` on `backend`; keyword arguments go to the backend's constructor."
     if backend == 'transformers' and model.startswith('llama.cpp:'): backend, model = 'llama.cpp', model.split(':', 1)[1]
+    if backend == 'auto':   # the engine measured fastest on this machine for `width` sequences in flight
+        from tmas_nb.llm.engines import choose_engine
+        threads = kw.pop('num_threads', None) or kw.pop('threads', None)
+        choice = choose_engine(model, kw.pop('width', 1), threads)
+        llm = load_llm(model, choice.backend, cache=cache, lazy=lazy, **{**choice.kwargs, **kw})
+        llm.engine_choice = choice
+        return llm
     if backend == 'transformers':
         from tmas_nb.llm.transformers_backend import TransformersBackend
         if lazy:

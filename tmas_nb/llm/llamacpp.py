@@ -4,7 +4,7 @@
 
 # %% ../../nbs/15a_llm_llamacpp.ipynb #5c11645d
 from __future__ import annotations
-import contextlib, os, shutil, signal, subprocess, sys, tempfile, time
+import contextlib, os, re, shutil, signal, subprocess, sys, tempfile, time
 from pathlib import Path
 
 from .models import (packaged_model, part_paths, join_parts, model_cache_root, canonical_model_name,
@@ -12,14 +12,13 @@ from .models import (packaged_model, part_paths, join_parts, model_cache_root, c
 from .openai_backend import OpenAIBackend
 
 # %% auto #0
-__all__ = ['LLAMA_CACHE', 'BUILD_HINT', 'find_llama_server', 'packaged_gguf', 'llama_server_args', 'LlamaServer',
-           'LlamaCppBackend', 'serve_llamacpp']
+__all__ = ['LLAMA_CACHE', 'BUILD_HINT', 'LLAMA_CPP_PYTHON', 'find_llama_server', 'build_llama_server', 'packaged_gguf',
+           'llama_server_args', 'LlamaServer', 'LlamaCppBackend', 'serve_llamacpp']
 
 # %% ../../nbs/15a_llm_llamacpp.ipynb #da498863
 LLAMA_CACHE = Path.home() / '.cache' / 'tmas_nb' / 'llama.cpp'
-BUILD_HINT = ("build it from the llama.cpp sources in llama-cpp-python's source distribution (see the llm.llamacpp "
-              "notebook: pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36, then cmake --build ... "
-              "--target llama-server) into ~/.cache/tmas_nb/llama.cpp/, or set TMAS_LLAMA_SERVER to its path")
+BUILD_HINT = ("`tmas engines build-llama` builds it from the llama.cpp sources in llama-cpp-python's source distribution "
+              "into ~/.cache/tmas_nb/llama.cpp/ (about 8 minutes on 2 cores), or set TMAS_LLAMA_SERVER to a llama-server you have")
 
 def find_llama_server(cache: Path | None = None) -> Path | None:
     "The `llama-server` binary: `$TMAS_LLAMA_SERVER`, a build under the cache folder, or one on the PATH; None if absent."
@@ -34,6 +33,61 @@ def find_llama_server(cache: Path | None = None) -> Path | None:
     if found: return found[0]
     on_path = shutil.which('llama-server')
     return Path(on_path) if on_path else None
+
+# %% ../../nbs/15a_llm_llamacpp.ipynb #920af90a
+LLAMA_CPP_PYTHON = '0.3.36'
+"The llama-cpp-python release whose source distribution `build_llama_server` builds `llama-server` from."
+
+def _build_tools() -> list[str]:
+    "The build tools missing on this machine (cmake, a C++ compiler)."
+    missing = [t for t in ('cmake',) if shutil.which(t) is None]
+    if not any(shutil.which(c) for c in ('c++', 'g++', 'clang++')): missing.append('a C++ compiler (g++ or clang++)')
+    return missing
+
+def build_llama_server(version: str = LLAMA_CPP_PYTHON, root: Path | None = None, jobs: int | None = None,
+                       progress: bool = True) -> Path:
+    "Build `llama-server` from llama-cpp-python's source distribution into `root` (default the cache); returns the binary."
+    root = Path(root or LLAMA_CACHE).expanduser(); root.mkdir(parents=True, exist_ok=True)
+    src = root / f'llama_cpp_python-{version}'
+    binary = src / 'build' / 'bin' / 'llama-server'
+    missing = _build_tools()
+    if missing: raise FileNotFoundError(f"building llama-server needs {', '.join(missing)}; install them (e.g. apt-get "
+                                        "install cmake ninja-build g++) or set TMAS_LLAMA_SERVER to a llama-server you have")
+    if not (src / 'vendor' / 'llama.cpp' / 'CMakeLists.txt').is_file():
+        sdist = root / f'llama_cpp_python-{version}.tar.gz'
+        if not sdist.is_file():
+            if progress: print(f"downloading the llama-cpp-python {version} source distribution (77 MB) ...", file=sys.stderr, flush=True)
+            r = subprocess.run([sys.executable, '-m', 'pip', 'download', '--no-deps', '--no-binary', ':all:',
+                                f'llama-cpp-python=={version}', '-d', str(root)], capture_output=True, text=True)
+            if r.returncode != 0 or not sdist.is_file():
+                raise RuntimeError(f"pip could not download llama-cpp-python=={version}'s sources: {(r.stderr or r.stdout).strip()[-800:]}")
+        import tarfile
+        with tarfile.open(sdist) as tf: tf.extractall(root, filter='data')
+    log = src / 'build-llama-server.log'
+    gen = ['-G', 'Ninja'] if shutil.which('ninja') else []
+    steps = [['cmake', '-S', str(src / 'vendor' / 'llama.cpp'), '-B', str(src / 'build'), *gen, '-DLLAMA_BUILD_SERVER=ON',
+              '-DGGML_NATIVE=ON', '-DLLAMA_CURL=OFF', '-DCMAKE_BUILD_TYPE=Release'],
+             ['cmake', '--build', str(src / 'build'), '--target', 'llama-server', '-j', str(jobs or os.cpu_count() or 1)]]
+    bar = None
+    with open(log, 'w') as f:
+        for cmd in steps:
+            f.write('$ ' + ' '.join(cmd) + '\n'); f.flush()
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
+            for line in proc.stdout:
+                f.write(line)
+                m = re.match(r'\[(\d+)/(\d+)\]', line)   # ninja's "[k/N] Building ..." lines
+                if progress and m:
+                    if bar is None:
+                        from tqdm.auto import tqdm
+                        bar = tqdm(total=int(m.group(2)), desc='building llama-server', unit='step')
+                    bar.total = int(m.group(2)); bar.n = int(m.group(1)); bar.refresh()
+            if proc.wait() != 0:
+                if bar is not None: bar.close()
+                raise RuntimeError(f"building llama-server failed at `{' '.join(cmd[:3])} ...` (exit {proc.returncode}); "
+                                   f"the last lines of {log}:\n" + ''.join(log.read_text(errors='replace').splitlines(True)[-20:]))
+    if bar is not None: bar.close()
+    if not binary.is_file(): raise RuntimeError(f"the build finished without {binary}; see {log}")
+    return binary
 
 # %% ../../nbs/15a_llm_llamacpp.ipynb #1d375ae9
 def packaged_gguf(name: str = 'default', cache_root: Path | None = None) -> Path:
@@ -144,11 +198,13 @@ class LlamaServer:
 
 # %% ../../nbs/15a_llm_llamacpp.ipynb #c1517125
 class LlamaCppBackend(OpenAIBackend):
-    "An `LLM` running a packaged GGUF model in its own `llama-server` process."
-    def __init__(self, model: str = 'default', n_parallel: int = 8, threads: int | None = 1, ctx_per_slot: int = 4096,
+    "An `LLM` running a packaged GGUF model in its own `llama-server` process (one slot, seed-exact, by default)."
+    def __init__(self, model: str = 'default', n_parallel: int = 1, threads: int | None = 1, ctx_per_slot: int = 4096,
                  binary=None, server_args: list[str] | None = None, **kw):
         self.server = LlamaServer(model, n_parallel=n_parallel, threads=threads, ctx_per_slot=ctx_per_slot,
                                   binary=binary, extra=server_args)
+        self.seed_exact = n_parallel == 1
+        if self.seed_exact: kw['extra_body'] = {'cache_prompt': False, **(kw.get('extra_body') or {})}
         kw.setdefault('max_n_per_call', n_parallel)
         kw.setdefault('max_concurrency', max(16, 2 * n_parallel))
         super().__init__(self.server.alias, base_url=self.server.base_url, **kw)
@@ -158,7 +214,9 @@ class LlamaCppBackend(OpenAIBackend):
         super().close(); self.server.close()
 
     def record(self) -> dict:
-        return {**super().record(), 'engine': 'llama.cpp', 'gguf': self.server.gguf.name, 'n_parallel': self.server.n_parallel}
+        return {**super().record(), 'engine': 'llama.cpp', 'gguf': self.server.gguf.name, 'n_parallel': self.server.n_parallel,
+                'threads': self.server.args[self.server.args.index('-t') + 1] if '-t' in self.server.args else None,
+                'seed_exact': self.seed_exact}
 
 # %% ../../nbs/15a_llm_llamacpp.ipynb #f4b4a17f
 def serve_llamacpp(model: str = 'default', host: str = '127.0.0.1', port: int = 8000, api_key: str | None = None,

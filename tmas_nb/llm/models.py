@@ -11,9 +11,10 @@ from pathlib import Path
 from ..core import sha256_file
 
 # %% auto #0
-__all__ = ['PACKAGED_MODELS', 'MODEL_ALIASES', 'STAMP', 'PackagedModel', 'canonical_model_name', 'packaged_model',
+__all__ = ['PACKAGED_MODELS', 'MODEL_ALIASES', 'STAMP', 'QUANTIZE', 'PackagedModel', 'canonical_model_name', 'packaged_model',
            'ModelPackageMissing', 'part_paths', 'ModelChecksumError', 'join_parts', 'verify_file', 'model_cache_root',
-           'convert_packaged_model', 'resolve_model', 'default_device', 'load_model_and_tokenizer']
+           'convert_packaged_model', 'resolve_model', 'default_device', 'load_model_and_tokenizer',
+           'RowScaledInt8Linear', 'quantize_model']
 
 # %% ../../nbs/11_llm_models.ipynb #5415ba08
 @dataclass(frozen=True)
@@ -177,8 +178,8 @@ def default_device() -> str:
     import torch
     return 'cuda' if torch.cuda.is_available() else 'cpu'
 
-def load_model_and_tokenizer(name: str = 'default', device: str | None = None, dtype=None):
-    "`(model, tokenizer)` for inference: float32 on CPU, bfloat16 with `device_map='auto'` on GPU."
+def load_model_and_tokenizer(name: str = 'default', device: str | None = None, dtype=None, quantize: str | None = None):
+    "`(model, tokenizer)` for inference: float32 on CPU (int8 linears with `quantize='int8'`), bfloat16 with `device_map='auto'` on GPU."
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = resolve_model(name)
@@ -195,4 +196,50 @@ def load_model_and_tokenizer(name: str = 'default', device: str | None = None, d
     model.eval()
     if tok.pad_token is None: tok.pad_token = tok.eos_token
     model.tmas_model_name = canonical_model_name(name)
+    if quantize is not None:
+        if device != 'cpu': raise ValueError(f"quantize={quantize!r} is a CPU setting; on {device} leave it out")
+        quantize_model(model, quantize)
     return model, tok
+
+# %% ../../nbs/11_llm_models.ipynb #e32a0eb4
+class RowScaledInt8Linear:
+    "Marker base; the torch module class is built on first use so that importing this module does not import torch."
+
+def _row_int8_class():
+    import torch
+    class _RowScaledInt8Linear(torch.nn.Module, RowScaledInt8Linear):
+        "A linear layer with int8 weights (a scale per output channel) and int8 activations (a scale per row)."
+        EDGE = 1.01
+        def __init__(self, linear):
+            super().__init__()
+            w = linear.weight.detach().float()
+            n, k = w.shape
+            wp = torch.cat([w, w.new_zeros(n, 2)], 1)          # zero weights for the two pinning inputs
+            scales = (wp.abs().amax(1).clamp_min(1e-8) / 127).double()
+            qw = torch.quantize_per_channel(wp, scales, torch.zeros(n, dtype=torch.long), 0, torch.qint8)
+            self._packed = torch.ops.quantized.linear_prepack(qw, None)
+            self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach().float().clone(), requires_grad=False)
+            self.in_features, self.out_features = k, n
+        def forward(self, x):
+            s = x.abs().amax(-1, keepdim=True).clamp_min(1e-12)
+            edge = x.new_full(x.shape[:-1] + (1,), self.EDGE)
+            y = torch.ops.quantized.linear_dynamic(torch.cat([x / s, edge, -edge], -1), self._packed, True) * s
+            return y if self.bias is None else y + self.bias
+        def extra_repr(self): return f"in_features={self.in_features}, out_features={self.out_features}, int8 rows"
+    return _RowScaledInt8Linear
+
+QUANTIZE = ('int8',)
+
+def quantize_model(model, scheme: str = 'int8') -> int:
+    "Replace every `nn.Linear` of `model` (lm_head included) by a `RowScaledInt8Linear`, in place; returns how many."
+    import torch
+    if scheme not in QUANTIZE: raise ValueError(f"quantize={scheme!r} is unknown; use one of {QUANTIZE}")
+    if torch.backends.quantized.engine not in ('x86', 'fbgemm', 'onednn'):
+        raise ValueError(f"quantize='int8' needs the x86 quantized engine, this torch uses {torch.backends.quantized.engine!r}")
+    cls, n = _row_int8_class(), 0
+    for mod in list(model.modules()):
+        for name, child in list(mod.named_children()):
+            if type(child) is torch.nn.Linear:
+                setattr(mod, name, cls(child)); n += 1
+    model.tmas_quantize = scheme
+    return n

@@ -327,15 +327,16 @@ class TransformersBackend(LLM):
     "An `LLM` running a transformers model in this process, batching concurrent requests."
     def __init__(self, model: str = 'default', device: str | None = None, dtype=None, max_batch_size: int = 64,
                  batch_window_s: float = 0.02, engine: str = 'auto', num_threads: int | None = None,
-                 seed: int | None = None, model_and_tokenizer: tuple | None = None):
+                 seed: int | None = None, model_and_tokenizer: tuple | None = None, quantize: str | None = None):
         if engine not in ('auto', 'batched', 'generate', 'continuous'):
             raise ValueError(f"TransformersBackend: engine={engine!r}; use 'auto', 'batched', 'generate' or 'continuous'")
         if max_batch_size < 1: raise ValueError(f"TransformersBackend: max_batch_size must be >= 1, got {max_batch_size}")
-        super().__init__(canonical_model_name(model))
+        super().__init__(canonical_model_name(model) + (f'+{quantize}' if quantize else ''))   # cache keys keep the two apart
         import torch
         if num_threads: torch.set_num_threads(int(num_threads))
         if seed is not None: torch.manual_seed(seed)
-        self.model, self.tokenizer = model_and_tokenizer or load_model_and_tokenizer(model, device=device, dtype=dtype)
+        self.model, self.tokenizer = model_and_tokenizer or load_model_and_tokenizer(model, device=device, dtype=dtype, quantize=quantize)
+        self.quantize = quantize
         if self.tokenizer.pad_token is None: self.tokenizer.pad_token = self.tokenizer.eos_token
         self.max_batch_size, self.batch_window_s = max_batch_size, batch_window_s
         on_gpu = str(getattr(self.model, 'device', 'cpu')).startswith('cuda')
