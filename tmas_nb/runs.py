@@ -501,6 +501,7 @@ def _cmd_run(args) -> int:
     kw = {}
     if args.threads: kw['threads' if args.backend in ('llama.cpp', 'auto') else 'num_threads'] = args.threads
     if args.threads and args.backend == 'openai': raise ValueError("--threads applies to the engines run here (transformers, llama.cpp, auto), not to --backend openai")
+    if args.backend == 'llama.cpp' and not args.threads: kw['threads'] = os.cpu_count() or 1   # every core, as the other engines
     if getattr(args, 'quantize', None) is not None:
         if args.backend != 'transformers': raise ValueError("--quantize applies to --backend transformers only (auto picks it by measurement)")
         kw['quantize'] = args.quantize
