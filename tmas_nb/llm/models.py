@@ -206,7 +206,7 @@ class RowScaledInt8Linear:
     "Marker base; the torch module class is built on first use so that importing this module does not import torch."
 
 def _row_int8_class():
-    import torch
+    import torch, warnings
     class _RowScaledInt8Linear(torch.nn.Module, RowScaledInt8Linear):
         "A linear layer with int8 weights (a scale per output channel) and int8 activations (a scale per row)."
         EDGE = 1.01
@@ -216,7 +216,9 @@ def _row_int8_class():
             n, k = w.shape
             wp = torch.cat([w, w.new_zeros(n, 2)], 1)          # zero weights for the two pinning inputs
             scales = (wp.abs().amax(1).clamp_min(1e-8) / 127).double()
-            qw = torch.quantize_per_channel(wp, scales, torch.zeros(n, dtype=torch.long), 0, torch.qint8)
+            with warnings.catch_warnings():   # torch 2.13 marks quantized tensors deprecated; the kernels are what we use
+                warnings.simplefilter('ignore', UserWarning)
+                qw = torch.quantize_per_channel(wp, scales, torch.zeros(n, dtype=torch.long), 0, torch.qint8)
             self._packed = torch.ops.quantized.linear_prepack(qw, None)
             self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach().float().clone(), requires_grad=False)
             self.in_features, self.out_features = k, n
