@@ -543,9 +543,9 @@ def add_cli(subparsers):
     p.add_argument('--benchmark', required=True, help="a benchmark name (demo, imo_answerbench, hmmt24, hmmt25) or a JSONL/CSV file")
     p.add_argument('--model', default='default', help="'default' (Qwen2.5-Coder-0.5B), 'smollm2', a model folder, or the served model name")
     p.add_argument('--backend', default='auto', choices=['auto', 'transformers', 'llama.cpp', 'openai'],
-                   help="where the model runs: auto (default) picks, on a CPU, whichever of transformers and llama.cpp "
-                        "`tmas engines calibrate` measured faster for this run's width, else transformers; the choice "
-                        "and its reason go into config.json and a resumed run keeps it")
+                   help="where the model runs: auto (default) picks, on a CPU, the fastest for this run's width of what "
+                        "`tmas engines calibrate` measured (ours in float32, ours with int8 layers, llama.cpp), else "
+                        "transformers in float32; the choice and its reason go into config.json and a resumed run keeps it")
     p.add_argument('--quantize', default=None, choices=['int8'],
                    help='with --backend transformers on a CPU: int8 linear layers scaled per activation row (seeds stay exact)')
     p.add_argument('--llama-slots', dest='llama_slots', type=int, default=None,
