@@ -302,8 +302,11 @@ def _run_math_jobs(jobs: list[tuple[str, str]], timeout: float, progress: bool =
         for i in todo:
             try: results[i] = futs[i].result(timeout=timeout)
             except FutureTimeout:
-                _log.warning("grading: comparing %r with %r took over %g s; counted as not equal", jobs[i][1][:80], jobs[i][0][:80], timeout)
-                results[i] = (False, f'timeout after {timeout:g} s')
+                if tries[i] < 2:   # once more in a fresh pool: a forked worker can hang before it starts the job
+                    _log.warning("grading: comparing %r with %r took over %g s; trying once more in a fresh pool", jobs[i][1][:80], jobs[i][0][:80], timeout)
+                else:
+                    _log.warning("grading: comparing %r with %r took over %g s; counted as not equal", jobs[i][1][:80], jobs[i][0][:80], timeout)
+                    results[i] = (False, f'timeout after {timeout:g} s')
                 _replace_pool(pool); break
             except (BrokenProcessPool, CancelledError) as e:   # the pool died or was replaced by another thread
                 if tries[i] >= 3:
