@@ -386,7 +386,7 @@ async def start_run(method: str, problems, config: MethodConfig | dict | None, r
     if llm is None:
         if backend == 'openai': llm_kw.setdefault('base_url', base_url)
         name = None if backend == 'openai' and model == 'default' else model   # the server's own model
-        cached = load_llm(name, backend, cache=str(run_dir / 'calls.sqlite'), lazy=backend in ('transformers', 'llama.cpp'), **llm_kw)
+        cached = load_llm(name, backend, cache=str(run_dir / 'calls.sqlite'), lazy=backend == 'transformers', **llm_kw)
     else:
         cached = CachedLLM(llm, run_dir / 'calls.sqlite', close_backend=False)
     try:

@@ -83,9 +83,10 @@ def calibrate(model: str = 'default', threads: int | None = None, widths=WIDTHS,
     from tmas_nb.llm.llamacpp import find_llama_server
     threads = int(threads or default_threads())
     engines = list(engines or CPU_ENGINES)
+    binary = find_llama_server()
     table, skipped = {}, {}
     for e in engines:
-        if e == 'llama.cpp' and find_llama_server() is None:
+        if e == 'llama.cpp' and binary is None:
             skipped[e] = 'no llama-server binary (build one with `tmas engines build-llama`)'; continue
         if e == 'llama.cpp' and packaged_model(model) is None and not str(model).endswith('.gguf'):
             skipped[e] = f'{model!r} has no GGUF file'; continue
@@ -96,8 +97,6 @@ def calibrate(model: str = 'default', threads: int | None = None, widths=WIDTHS,
         finally: llm.close()
         if progress: print(f"{e}: " + ', '.join(f"{v:.1f} tokens/s at {w} in flight" for w, v in table[e].items())
                            + f" ({time.perf_counter() - t0:.0f} s)", flush=True)
-    from tmas_nb.llm.llamacpp import find_llama_server as _f
-    binary = _f()
     cal = {'model': canonical_model_name(model), 'threads': threads, 'max_new_tokens': max_new_tokens,
            'widths': [int(w) for w in widths], 'tokens_per_s': table, 'skipped': skipped, 'machine': machine_fingerprint(),
            'llama_server': str(binary) if binary else None,

@@ -336,7 +336,6 @@ class TransformersBackend(LLM):
         if num_threads: torch.set_num_threads(int(num_threads))
         if seed is not None: torch.manual_seed(seed)
         self.model, self.tokenizer = model_and_tokenizer or load_model_and_tokenizer(model, device=device, dtype=dtype, quantize=quantize)
-        self.quantize = quantize
         if self.tokenizer.pad_token is None: self.tokenizer.pad_token = self.tokenizer.eos_token
         self.max_batch_size, self.batch_window_s = max_batch_size, batch_window_s
         on_gpu = str(getattr(self.model, 'device', 'cpu')).startswith('cuda')
