@@ -81,7 +81,7 @@ def run_doctor(model: str = 'default', device: str | None = None, engine: str = 
         if backend is None: llm.close()
     if not report['device'].get('cuda'):   # which engine `tmas run --backend auto` would run a run of each width on
         from tmas_nb.llm.engines import choose_engine
-        report['run_engines'] = {w: (ch.backend, ch.reason) for w in (1, 8, 64) for ch in [choose_engine(model, w, device='cpu')]}
+        report['run_engines'] = {w: (ch.engine, ch.reason) for w in (1, 8, 64) for ch in [choose_engine(model, w, device='cpu')]}
     report['ok'] = bool(report['seeds']['equal'] and not report['engine_stats'].get('engine_fallbacks'))
     return report
 
