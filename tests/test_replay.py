@@ -169,3 +169,46 @@ def test_trace_is_columnar_and_small(data_root, tmp_path):
     df = pd.read_parquet(out)
     assert (df.action == 'ANSWER').sum() == 30 and len(df) > 10000
     assert out.stat().st_size < 2_000_000
+
+
+def _eval_argv(data_root, *extra):
+    return ['replay', 'eval', '--data-dir', str(data_root), '--model', 'Qwen3-4B', '--dataset', 'aime24',
+            '--controller', 'sc:k=4', '--seeds', '2', '--json', *extra]
+
+
+@pytest.mark.parametrize('n', ['0', '-3'])
+def test_trace_seeds_below_one_is_refused_and_nothing_written(data_root, tmp_path, capsys, n):
+    out = tmp_path / 't.parquet'
+    assert main(_eval_argv(data_root, '--trace', str(out), '--trace-seeds', n)) == 2
+    cap = capsys.readouterr()
+    assert f'--trace-seeds must be >= 1, got {n}' in cap.err and len(cap.err.strip().splitlines()) == 1
+    assert cap.out == '' and not out.exists()
+
+
+def test_trace_seeds_above_seeds_is_refused(data_root, tmp_path, capsys):
+    out = tmp_path / 't.csv'
+    assert main(_eval_argv(data_root, '--trace', str(out), '--trace-seeds', '5')) == 2
+    assert '--trace-seeds 5 is more than --seeds 2' in capsys.readouterr().err and not out.exists()
+
+
+@pytest.mark.parametrize('name', ['x.txt', 'trace', 'x.parquet.gz'])
+def test_trace_file_must_be_parquet_or_csv(data_root, tmp_path, capsys, name):
+    out = tmp_path / name
+    assert main(_eval_argv(data_root, '--trace', str(out))) == 2
+    err = capsys.readouterr().err
+    assert '--trace' in err and 'must end in .parquet or .csv' in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_trace_csv_holds_the_traced_seeds(data_root, tmp_path):
+    out = tmp_path / 't.csv'
+    assert main(_eval_argv(data_root, '--trace', str(out), '--trace-seeds', '2')) == 0
+    df = pd.read_csv(out)
+    assert sorted(df.seed.unique()) == [0, 1] and (df.action == 'ANSWER').sum() == 60
+
+
+def test_grid_out_must_be_parquet_or_csv(data_root, tmp_path, capsys):
+    out = tmp_path / 'g.txt'
+    assert main(['replay', 'grid', '--data-dir', str(data_root), '--out', str(out), '--jobs', '1', '--seeds', '1',
+                 '--models', 'Qwen3-8B', '--datasets', 'aime25', '--controllers', 'sc:k=4']) == 2
+    assert '--out' in capsys.readouterr().err and not out.exists()

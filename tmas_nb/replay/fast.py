@@ -8,7 +8,7 @@ import numpy as np
 from numba import njit
 
 from .controllers import (ASC, CMC, ESC, ParallelProbe, SelfConsistency, beta_confidence_table,
-                                        cmc_schedule, Controller)
+                                        cmc_schedule, check_fits_store, Controller)
 from .environment import ReplayEnv
 from .store import ReplayStore
 
@@ -259,13 +259,12 @@ def has_fast(controller: Controller) -> bool:
 
 def run_fast(controller: Controller, store: ReplayStore, seeds=range(100), orders=None) -> tuple[np.ndarray, np.ndarray]:
     "Answers `[S, Q]` (ids) and costs `[S, Q]` of a built-in controller on every seed × question."
+    check_fits_store(controller, store)
     o = store.orders(seeds) if orders is None else orders
     a = _arrays(store); t = type(controller)
     if t is SelfConsistency: return sc_kernel(int(controller.k), o, a['nbr'], a['finals'], a['tokens'], a['n_answers'])
     if t is ASC: return asc_kernel(int(controller.max_samples), float(controller.threshold), beta_confidence_table(), o, a['nbr'], a['finals'], a['tokens'], a['n_answers'])
-    if t is ESC:
-        if controller.window < 1: raise ValueError("esc: window must be >= 1")
-        return esc_kernel(int(controller.max_samples), int(controller.window), o, a['nbr'], a['finals'], a['tokens'], a['n_answers'])
+    if t is ESC: return esc_kernel(int(controller.max_samples), int(controller.window), o, a['nbr'], a['finals'], a['tokens'], a['n_answers'])
     tail = (o, a['nbr'], a['probes'], a['n_probes'], a['finals'], a['tokens'], a['freq'], a['n_answers'])
     if t is ParallelProbe:
         c = controller
