@@ -12,7 +12,7 @@ from tmas_nb.llm.core import Request, load_llm
 from tmas_nb.llm.openai_backend import OpenAIBackend, LLMRequestError
 
 MODEL = 'smollm2'
-MAX_N = 4            # the server returns at most 4 samples per call, so n > 4 exercises the client's top-up
+MAX_N = 4            # the server refuses n > 4 per call, so n > 4 exercises the client's split at the server's limit
 READY_TIMEOUT = 300  # the first start converts the packaged GGUF model into the cache
 
 
@@ -23,15 +23,15 @@ def free_port() -> int:
 
 
 class Server:
-    "A `python -m tmas_nb.cli serve` subprocess serving the small model on 127.0.0.1:port."
-    def __init__(self, port: int, log_dir: Path):
+    "A `python -m tmas_nb.cli serve` subprocess serving the small model on 127.0.0.1:port (with `flags` added)."
+    def __init__(self, port: int, log_dir: Path, flags=('--max-n', str(MAX_N))):
         self.port, self.log = port, log_dir / f'server-{port}-{time.monotonic_ns()}.log'
         env = {**os.environ, 'HF_HUB_OFFLINE': '1', 'OMP_NUM_THREADS': '1', 'TOKENIZERS_PARALLELISM': 'false'}
         self.t0 = time.monotonic()
         with open(self.log, 'wb') as f:
             self.proc = subprocess.Popen(
                 [sys.executable, '-m', 'tmas_nb.cli', 'serve', '--model', MODEL, '--port', str(port),
-                 '--max-n', str(MAX_N), '--num-threads', '1'], stdout=f, stderr=subprocess.STDOUT, env=env)
+                 '--num-threads', '1', *flags], stdout=f, stderr=subprocess.STDOUT, env=env)
 
     @property
     def url(self) -> str: return f'http://127.0.0.1:{self.port}/v1'
@@ -99,13 +99,16 @@ def test_n_samples_usage_and_length(server):
     assert served['solution']['samples'] >= 3 and served['verification']['samples'] >= 2
 
 
-def test_model_discovered_and_top_up_past_server_cap(server):
+def test_model_discovered_and_split_at_the_servers_n_limit(server):
     llm = load_llm(backend='openai', base_url=server.url)   # no model name: ask /v1/models
     assert isinstance(llm, OpenAIBackend)
     [cs] = llm.generate_sync([ask('Name a fruit.', n=6, max_new_tokens=3, seed=1)])
     assert llm.model_id == MODEL
-    assert len(cs) == 6 and llm.n_per_call == MAX_N and llm.stats['top_up_calls'] == 1
+    # the server refused n=6 with a 400 naming its limit; the client learnt it and asked for 4 + 2
+    assert len(cs) == 6 and llm.n_per_call == MAX_N and llm.stats['n_refusals'] == 1 and llm.stats['top_up_calls'] == 0
     assert llm.usage.by_role['solution']['samples'] == 6
+    r = httpx.post(server.url + '/chat/completions', json={'messages': [{'role': 'user', 'content': 'hi'}], 'n': 5})
+    assert r.status_code == 400 and f'n must be at most {MAX_N}' in r.json()['error']['message']
 
 
 def test_seeded_sampling_is_reproducible(server):

@@ -4,7 +4,7 @@
 
 # %% ../../nbs/10_llm_core.ipynb #efe3f873
 from __future__ import annotations
-import asyncio, copy, json, threading, time
+import asyncio, copy, json, math, threading, time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, asdict, fields
 from typing import NamedTuple
@@ -63,12 +63,13 @@ class Request:
                 bad(f'messages[{i}].content', f"must be a string, got {type(m['content']).__name__}")
         if not isinstance(self.role, str) or not self.role: bad('role', "must be a non-empty string such as 'solution'")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1: bad('n', f"must be an integer >= 1, got {self.n!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+        num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        if not num(self.temperature) or self.temperature < 0:
             bad('temperature', f"must be a number >= 0 (0 means greedy), got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1: bad('top_p', f"must be in (0, 1], got {self.top_p!r}")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
+        if not num(self.top_p) or not 0 < self.top_p <= 1: bad('top_p', f"must be in (0, 1], got {self.top_p!r}")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 1):
             bad('top_k', f"must be None or an integer >= 1, got {self.top_k!r}")
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
             bad('max_new_tokens', f"must be an integer >= 1, got {self.max_new_tokens!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             bad('seed', f"must be None or an integer >= 0, got {self.seed!r}")

@@ -4,14 +4,47 @@
 
 # %% ../../nbs/15_llm_server.ipynb #a3e01800
 from __future__ import annotations
-import argparse, socket, sys, threading, time, uuid
+import argparse, asyncio, json, math, socket, sys, threading, time, uuid
+from collections import deque
+from dataclasses import dataclass
 
 from .core import LLM, Request, Completion
 
 # %% auto #0
-__all__ = ['BadRequest', 'parse_chat_request', 'completion_response', 'raw_prompt', 'parse_completion_request',
-           'text_completion_response', 'tokenize_body', 'detokenize_body', 'bearer_ok', 'create_app', 'serve',
-           'ServerThread', 'is_loopback', 'check_exposure', 'add_cli']
+__all__ = ['MAX_STOPS', 'ServerLimits', 'BadRequest', 'parse_chat_request', 'completion_response', 'raw_prompt',
+           'parse_completion_request', 'text_completion_response', 'prompt_fits', 'tokenize_body', 'detokenize_body',
+           'read_json', 'bearer_ok', 'is_loopback', 'check_exposure', 'LoopbackHostsOnly', 'Admission',
+           'generate_isolated', 'ClientGone', 'unless_disconnected', 'create_app', 'serve', 'ServerThread', 'add_cli']
+
+# %% ../../nbs/15_llm_server.ipynb #0f7aeb96
+@dataclass
+class ServerLimits:
+    "What the server refuses at once instead of working on it: samples, tokens, body size and waiting requests."
+    max_n: int = 64                    # samples per request; more is a 400 naming the limit (clients split their calls)
+    max_tokens: int | None = None      # new tokens per request; None: the model's context (unchecked without one)
+    default_max_tokens: int = 512      # max_tokens when a request does not say (lowered to what fits in the context)
+    context: int | None = None         # prompt + new tokens must fit; None: not checked
+    vocab_size: int | None = None      # token ids of a raw prompt must be below it; None: not checked
+    max_body_bytes: int = 4 << 20      # a larger request body is a 413
+    max_queue: int = 256               # requests waiting or generating at once; one more is a 503 with Retry-After
+    shutdown_timeout_s: float = 10.0   # on SIGTERM, requests in flight get this long to finish, then are cancelled
+
+    def __post_init__(self):
+        for f in ('max_n', 'default_max_tokens', 'max_body_bytes', 'max_queue', 'max_tokens', 'context', 'vocab_size'):
+            v = getattr(self, f)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"ServerLimits.{f}: must be an integer >= 1, got {v!r}")
+        if not self.shutdown_timeout_s >= 0:
+            raise ValueError(f"ServerLimits.shutdown_timeout_s: must be a number of seconds >= 0, got {self.shutdown_timeout_s!r}")
+        if self.max_tokens is None: self.max_tokens = self.context
+        if self.max_tokens is not None: self.default_max_tokens = min(self.default_max_tokens, self.max_tokens)
+
+    @classmethod
+    def for_model(cls, llm: LLM, **given) -> ServerLimits:
+        "Limits for `llm`, with its context length and vocabulary size read from its model's config; `None`s in `given` keep the defaults."
+        cfg = getattr(getattr(llm, 'model', None), 'config', None)
+        found = dict(context=getattr(cfg, 'max_position_embeddings', None), vocab_size=getattr(cfg, 'vocab_size', None))
+        return cls(**{k: v for k, v in {**found, **given}.items() if v is not None})
 
 # %% ../../nbs/15_llm_server.ipynb #5377b380
 class BadRequest(ValueError):
@@ -19,9 +52,11 @@ class BadRequest(ValueError):
     def __init__(self, message: str, status: int = 400, param: str | None = None):
         super().__init__(message); self.status, self.param = status, param
 
+_KINDS = {400: 'BadRequestError', 403: 'PermissionDeniedError', 404: 'NotFoundError', 413: 'RequestTooLargeError',
+          415: 'UnsupportedMediaTypeError', 500: 'InternalServerError', 503: 'ServiceUnavailableError'}
+
 def _error_body(message: str, status: int, param: str | None = None) -> dict:
-    kind = {400: 'BadRequestError', 404: 'NotFoundError', 500: 'InternalServerError'}.get(status, 'Error')
-    return {'error': {'message': message, 'type': kind, 'param': param, 'code': status}}
+    return {'error': {'message': message, 'type': _KINDS.get(status, 'Error'), 'param': param, 'code': status}}
 
 def _check_body(body, served_model: str):
     "Refuse what neither endpoint serves: a body that is not an object, streaming, another model's name."
@@ -29,40 +64,70 @@ def _check_body(body, served_model: str):
     if body.get('stream'): raise BadRequest('streaming is not supported by this server; send "stream": false', param='stream')
     model = body.get('model')
     if model not in (None, '', served_model):
-        raise BadRequest(f"The model `{model}` does not exist; this server serves `{served_model}`", status=404, param='model')
+        raise BadRequest(f"The model `{model!s:.80}` does not exist; this server serves `{served_model}`", status=404, param='model')
 
-def parse_chat_request(body, served_model: str, role: str = 'remote', max_n: int | None = None,
-                       default_max_tokens: int = 512, max_tokens_limit: int | None = None) -> tuple[Request, int]:
-    "A `Request` from an OpenAI chat-completions body, and the number of samples the server will return."
+# %% ../../nbs/15_llm_server.ipynb #6d33cda8
+def _short(v) -> str: s = repr(v); return s if len(s) <= 40 else s[:37] + '...'
+
+def _integer(body: dict, field: str, default, lo: int | None = 1, hi: int | None = None, why: str = ''):
+    "`body[field]` as an integer (not a bool) in [lo, hi]; `default` when it is absent or null."
+    v = body.get(field)
+    if v is None: return default
+    if not isinstance(v, int) or isinstance(v, bool): raise BadRequest(f"{field}: must be an integer, got {_short(v)}", param=field)
+    if lo is not None and v < lo: raise BadRequest(f"{field}: must be an integer >= {lo}, got {_short(v)}", param=field)
+    if hi is not None and v > hi:
+        raise BadRequest(f"{field}={_short(v)} is above this server's limit: {field} must be at most {hi}{why}", param=field)
+    return v
+
+def _number(body: dict, field: str, default: float, what: str, lo: float, hi: float | None = None, open_lo: bool = False) -> float:
+    "`body[field]` as a finite float in [lo, hi] (or (lo, hi] when `open_lo`); `default` when absent or null."
+    v = body.get(field)
+    if v is None: return default
+    try: x = float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
+    except OverflowError: x = math.nan
+    if not (math.isfinite(x) and (x > lo if open_lo else x >= lo) and (hi is None or x <= hi)):
+        raise BadRequest(f"{field}: must be {what}, got {_short(v)}", param=field)
+    return x
+
+MAX_STOPS = 16
+
+def _stops(body: dict) -> list[str] | None:
+    "The stop strings of `body` (a string or a list of non-empty strings, at most `MAX_STOPS`)."
+    s = body.get('stop')
+    if s is None or (isinstance(s, (str, list)) and not s): return None
+    if isinstance(s, str): s = [s]
+    if not isinstance(s, list) or not all(isinstance(x, str) and x for x in s):
+        raise BadRequest(f'stop: must be a string or a list of non-empty strings such as ["\\n\\n"], got {_short(s)}', param='stop')
+    if len(s) > MAX_STOPS: raise BadRequest(f"stop: {len(s)} stop strings; send at most {MAX_STOPS}", param='stop')
+    return s
+
+# %% ../../nbs/15_llm_server.ipynb #4d1eb381
+def parse_chat_request(body, served_model: str, role: str = 'remote', limits: ServerLimits | None = None) -> Request:
+    "A `Request` from an OpenAI chat-completions body, every field checked against `limits`."
     _check_body(body, served_model)
     if 'messages' not in body: raise BadRequest("missing field 'messages' (a list of {role, content} objects)", param='messages')
     ctk = body.get('chat_template_kwargs') or {}
     if not isinstance(ctk, dict): raise BadRequest('chat_template_kwargs must be an object', param='chat_template_kwargs')
-    return _sampled_request(body, dict(messages=body['messages'], enable_thinking=ctk.get('enable_thinking')), role, max_n,
-                            default_max_tokens, max_tokens_limit)
+    return _sampled_request(body, dict(messages=body['messages'], enable_thinking=ctk.get('enable_thinking')), role,
+                            limits or ServerLimits())
 
-def _sampled_request(body: dict, content: dict, role: str, max_n, default_max_tokens, max_tokens_limit) -> tuple[Request, int]:
-    "A `Request` of `content` (messages or a raw prompt) with the body's sampling fields, and the samples to return."
-    max_tokens = body.get('max_completion_tokens', body.get('max_tokens'))
-    max_tokens = default_max_tokens if max_tokens is None else max_tokens
-    if max_tokens_limit is not None and isinstance(max_tokens, int) and max_tokens > max_tokens_limit:
-        raise BadRequest(f"max_tokens={max_tokens} is above this server's limit of {max_tokens_limit}; ask for fewer tokens",
-                         param='max_tokens')
-    stop = body.get('stop')
-    if isinstance(stop, str): stop = [stop]
-    top_k = body.get('top_k')
-    if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k <= 0: top_k = None   # vLLM: -1 or 0 = no top-k
-    kw = dict(**content, role=role, n=body.get('n', 1),
-              temperature=body.get('temperature', 1.0), top_p=body.get('top_p', 1.0), top_k=top_k,
-              max_new_tokens=max_tokens, seed=body.get('seed'), stop=stop or None)
-    try: req = Request(**{k: (1.0 if v is None and k in ('temperature', 'top_p') else v) for k, v in kw.items()})
+def _sampled_request(body: dict, content: dict, role: str, limits: ServerLimits) -> Request:
+    "A `Request` of `content` (messages or a raw prompt) with the body's sampling fields."
+    mt = 'max_completion_tokens' if body.get('max_completion_tokens') is not None else 'max_tokens'
+    top_k = _integer(body, 'top_k', None, lo=None)
+    if top_k is not None and (top_k <= 0 or (limits.vocab_size and top_k >= limits.vocab_size)):
+        top_k = None                                   # vLLM: -1 or 0 = no top-k; a k past the vocabulary changes nothing
+    kw = dict(**content, role=role, top_k=top_k, stop=_stops(body),
+              n=_integer(body, 'n', 1, hi=limits.max_n, why='; ask for fewer samples per call'),
+              max_new_tokens=_integer(body, mt, limits.default_max_tokens, hi=limits.max_tokens, why='; ask for fewer new tokens'),
+              temperature=_number(body, 'temperature', 1.0, 'a finite number >= 0 (0 means greedy)', lo=0),
+              top_p=_number(body, 'top_p', 1.0, 'a number in (0, 1]', lo=0, hi=1, open_lo=True),
+              seed=_integer(body, 'seed', None, lo=0, hi=2**64 - 1))
+    try: return Request(**kw)
     except ValueError as e:
         msg = str(e)
         param = msg.split(':', 1)[0].removeprefix('Request.').replace('max_new_tokens', 'max_tokens')
         raise BadRequest(msg.replace('Request.max_new_tokens', 'max_tokens').replace('Request.', ''), param=param) from e
-    served = req.n if max_n is None else min(req.n, max_n)
-    if served != req.n: req.n = served
-    return req, served
 
 def completion_response(completions: list[Completion], model: str) -> dict:
     "The chat-completions response body for the samples of one request."
@@ -95,13 +160,17 @@ _REFUSED = {'echo': (lambda v, n: not v, 'echo is not supported; send "echo": fa
             'logprobs': (lambda v, n: v in (None, False, 0), 'logprobs are not supported by this server; leave them out'),
             'best_of': (lambda v, n: v in (None, n), 'best_of above n is not supported; ask for n samples and choose yourself')}
 
-def parse_completion_request(body, served_model: str, role: str = 'remote', max_n: int | None = None,
-                             default_max_tokens: int = 512, max_tokens_limit: int | None = None) -> tuple[Request, int]:
-    "A raw-prompt `Request` from an OpenAI completions body, and the number of samples the server will return."
+def parse_completion_request(body, served_model: str, role: str = 'remote', limits: ServerLimits | None = None) -> Request:
+    "A raw-prompt `Request` from an OpenAI completions body; token ids must be in the model's vocabulary."
     _check_body(body, served_model)
     for f, (ok, why) in _REFUSED.items():
         if f in body and not ok(body[f], body.get('n', 1)): raise BadRequest(why, param=f)
-    return _sampled_request(body, dict(messages=[], prompt=raw_prompt(body)), role, max_n, default_max_tokens, max_tokens_limit)
+    limits = limits or ServerLimits()
+    req = _sampled_request(body, dict(messages=[], prompt=raw_prompt(body)), role, limits)
+    if isinstance(req.prompt, list) and limits.vocab_size and max(req.prompt) >= limits.vocab_size:
+        raise BadRequest(f"prompt: token id {max(req.prompt)} is outside this model's vocabulary (ids 0 to "
+                         f"{limits.vocab_size - 1}); send token ids from POST /tokenize", param='prompt')
+    return req
 
 def text_completion_response(completions: list[Completion], model: str) -> dict:
     "The completions response body for the samples of one raw-prompt request."
@@ -113,17 +182,46 @@ def text_completion_response(completions: list[Completion], model: str) -> dict:
             'model': model, 'choices': choices,
             'usage': {'prompt_tokens': prompt, 'completion_tokens': gen, 'total_tokens': prompt + gen}}
 
+# %% ../../nbs/15_llm_server.ipynb #03e6fb01
+def prompt_fits(prompt_tokens: int, request: Request, limits: ServerLimits, explicit: bool = True) -> Request:
+    "`request` when its prompt and new tokens fit in the context; a default (not `explicit`) max_tokens is lowered to fit."
+    ctx, want = limits.context, request.max_new_tokens
+    if ctx is None or prompt_tokens + want <= ctx: return request
+    room = ctx - prompt_tokens
+    if not explicit and room >= 1:
+        request.max_new_tokens = room
+        return request
+    fix = f'lower max_tokens to {room} or shorten the prompt' if room >= 1 else 'shorten the prompt'
+    raise BadRequest(f"this model's context is {ctx} tokens, but the prompt has {prompt_tokens} and max_tokens asks for "
+                     f"{want} more; {fix}", param='max_tokens' if room >= 1 else 'prompt')
+
 # %% ../../nbs/15_llm_server.ipynb #985b91cd
+def _template_kwargs(tok, kw) -> dict:
+    "`chat_template_kwargs` checked: an object of template variables, none of them a setting of `apply_chat_template` itself."
+    import inspect
+    if not isinstance(kw, dict): raise BadRequest('chat_template_kwargs must be an object', param='chat_template_kwargs')
+    own = {p.name for p in inspect.signature(tok.apply_chat_template).parameters.values() if p.kind != p.VAR_KEYWORD}
+    if own & set(kw):
+        raise BadRequest(f"chat_template_kwargs.{sorted(own & set(kw))[0]}: is a tokenizer setting, not a template variable; "
+                         "leave it out", param='chat_template_kwargs')
+    return kw
+
+def _tokenizer_call(what: str, fn, *args, **kw):
+    "`fn(*args, **kw)`; a tokenizer or template error is the request's fault, so it is a 400 naming `what`."
+    try: return fn(*args, **kw)
+    except BadRequest: raise
+    except Exception as e: raise BadRequest(f"{what}: {type(e).__name__}: {str(e)[:200]}") from e
+
 def tokenize_body(tok, body, max_model_len: int | None = None) -> dict:
     "The `/tokenize` answer for `body` (vLLM's `prompt` or `messages`, or llama-server's `content`)."
     if not isinstance(body, dict): raise BadRequest('the request body must be a JSON object')
     if 'messages' in body:
-        kw = body.get('chat_template_kwargs') or {}
-        if not isinstance(kw, dict): raise BadRequest('chat_template_kwargs must be an object', param='chat_template_kwargs')
+        kw = _template_kwargs(tok, body.get('chat_template_kwargs') or {})
         try: Request(messages=body['messages'])
         except ValueError as e: raise BadRequest(str(e).replace('Request.', ''), param='messages') from e
-        enc = tok.apply_chat_template(body['messages'], add_generation_prompt=bool(body.get('add_generation_prompt', True)),
-                                      tokenize=True, return_dict=True, **kw)
+        enc = _tokenizer_call('the chat template failed on these messages', tok.apply_chat_template, body['messages'],
+                              add_generation_prompt=bool(body.get('add_generation_prompt', True)), tokenize=True,
+                              return_dict=True, **kw)
         ids = enc['input_ids']; ids = list(ids[0] if ids and isinstance(ids[0], list) else ids)
     else:
         key = 'prompt' if 'prompt' in body else 'content' if 'content' in body else None
@@ -136,10 +234,33 @@ def tokenize_body(tok, body, max_model_len: int | None = None) -> dict:
 def detokenize_body(tok, body) -> dict:
     "The `/detokenize` answer for `{'tokens': [...]}`: the text, as vLLM (`prompt`) and llama-server (`content`) spell it."
     ids = body.get('tokens') if isinstance(body, dict) else None
-    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-        raise BadRequest("send 'tokens' as a list of token ids (ints >= 0)", param='tokens')
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < len(tok) for t in ids):
+        raise BadRequest(f"send 'tokens' as a list of token ids (ints from 0 to {len(tok) - 1})", param='tokens')
     text = tok.decode(ids, skip_special_tokens=False)
     return {'prompt': text, 'content': text}
+
+# %% ../../nbs/15_llm_server.ipynb #e756ee85
+def _size(n: int) -> str: return f'{n / 2**20:g} MB' if n >= 2**20 else f'{n} bytes'
+
+def _no_constant(name: str): raise ValueError(f'{name} is not a JSON number')
+
+async def read_json(request, limit: int):
+    "The JSON body of a starlette `request`: 415 unless sent as application/json, 413 past `limit` bytes, 400 unless valid JSON."
+    ctype = request.headers.get('content-type', '').split(';')[0].strip().lower()
+    if ctype != 'application/json':
+        raise BadRequest(f"send the body as JSON with the header 'Content-Type: application/json' (got {_short(ctype or None)})",
+                         status=415)
+    too_big = BadRequest(f"the request body is over this server's limit of {_size(limit)} (tmas serve --max-body-mb); "
+                         "send a shorter prompt", status=413)
+    size = request.headers.get('content-length', '')
+    if size.isdigit() and int(size) > limit: raise too_big
+    chunks, got = [], 0
+    async for chunk in request.stream():
+        got += len(chunk)
+        if got > limit: raise too_big
+        chunks.append(chunk)
+    try: return json.loads(b''.join(chunks), parse_constant=_no_constant)
+    except (ValueError, UnicodeDecodeError) as e: raise BadRequest(f'the request body is not valid JSON ({str(e)[:120]})') from e
 
 # %% ../../nbs/15_llm_server.ipynb #08c9a756
 def _unauthorized() -> dict:
@@ -165,127 +286,6 @@ def _key_check(api_key: str):
     return check
 
 
-# %% ../../nbs/15_llm_server.ipynb #a6be1470
-def create_app(llm: LLM, served_model_name: str | None = None, max_n: int | None = None,
-               default_max_tokens: int = 512, max_tokens_limit: int | None = None, api_key: str | None = None):
-    "A FastAPI application serving `llm` at `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/v1/usage`, `/health` (and `/tokenize`, `/detokenize`)."
-    from fastapi import FastAPI, Request as HTTPRequest
-    from fastapi.responses import JSONResponse
-    name = served_model_name or llm.model_id
-    app = FastAPI(title='tmas_nb model server', version='1')
-    if api_key: app.middleware('http')(_key_check(api_key))
-    app.state.llm, app.state.model_name = llm, name
-    counts = app.state.counts = dict(requests=0, in_flight=0, peak_in_flight=0)
-    created = int(time.time())
-
-    @app.get('/health')
-    async def health(): return {'status': 'ok', 'model': name, **counts}
-
-    @app.get('/v1/models')
-    async def models():
-        return {'object': 'list', 'data': [{'id': name, 'object': 'model', 'created': created, 'owned_by': 'tmas_nb'}]}
-
-    @app.get('/v1/usage')
-    async def usage(): return llm.usage.to_dict()
-
-    def endpoint(parse, respond):
-        "A handler that parses a body with `parse`, generates, and answers with `respond`."
-        async def handle(request):
-            counts['requests'] += 1
-            counts['in_flight'] += 1
-            counts['peak_in_flight'] = max(counts['peak_in_flight'], counts['in_flight'])
-            try: return await answer(request, parse, respond)
-            finally: counts['in_flight'] -= 1
-        handle.__annotations__['request'] = HTTPRequest   # a real class, not the postponed string, for FastAPI
-        return handle
-
-    async def answer(request, parse, respond):
-        try:
-            try: body = await request.json()
-            except (ValueError, UnicodeDecodeError): raise BadRequest('the request body is not valid JSON')
-            role = request.headers.get('x-tmas-role') or 'remote'
-            req, _ = parse(body, name, role=role, max_n=max_n, default_max_tokens=default_max_tokens,
-                           max_tokens_limit=max_tokens_limit)
-        except BadRequest as e:
-            return JSONResponse(_error_body(str(e), e.status, e.param), status_code=e.status)
-        try:
-            [completions] = await llm.generate([req])
-        except Exception as e:
-            return JSONResponse(_error_body(f'generation failed: {type(e).__name__}: {e}', 500), status_code=500)
-        return respond(completions, name)
-
-    app.post('/v1/chat/completions')(endpoint(parse_chat_request, completion_response))
-    app.post('/v1/completions')(endpoint(parse_completion_request, text_completion_response))
-    tok = getattr(llm, 'tokenizer', None)
-    if tok is not None: _add_tokenizer_routes(app, tok, getattr(getattr(getattr(llm, 'model', None), 'config', None),
-                                                                'max_position_embeddings', None))
-    return app
-
-def _add_tokenizer_routes(app, tok, max_model_len):
-    "`POST /tokenize` and `POST /detokenize` with the backend's tokenizer."
-    from fastapi import Request as HTTPRequest
-    from fastapi.responses import JSONResponse
-    def route(fn):
-        async def handle(request):
-            try:
-                try: body = await request.json()
-                except (ValueError, UnicodeDecodeError): raise BadRequest('the request body is not valid JSON')
-                return fn(body)
-            except BadRequest as e: return JSONResponse(_error_body(str(e), e.status, e.param), status_code=e.status)
-        handle.__annotations__['request'] = HTTPRequest
-        return handle
-    app.post('/tokenize')(route(lambda b: tokenize_body(tok, b, max_model_len)))
-    app.post('/detokenize')(route(lambda b: detokenize_body(tok, b)))
-
-# %% ../../nbs/15_llm_server.ipynb #1e462849
-def _bind(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ':' in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try: sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise OSError(f"cannot listen on {host}:{port} ({e.strerror}); choose another --port or stop the process using it") from e
-    sock.listen(2048); sock.set_inheritable(True)
-    return sock
-
-def _uvicorn_server(app, log_level: str):
-    import uvicorn
-    config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_keep_alive=30, lifespan='off')
-    return uvicorn.Server(config)
-
-def serve(llm: LLM, host: str = '127.0.0.1', port: int = 8000, log_level: str = 'warning', sock=None, **app_kw):
-    "Serve `llm` until interrupted (Ctrl-C or SIGTERM), on `sock` when the caller already holds the port."
-    sock = sock or _bind(host, port)
-    server = _uvicorn_server(create_app(llm, **app_kw), log_level)
-    try: server.run(sockets=[sock])
-    finally: sock.close()
-
-class ServerThread:
-    "Serve `llm` from a background thread; use as a context manager or call `stop()`."
-    def __init__(self, llm: LLM, host: str = '127.0.0.1', port: int = 0, log_level: str = 'warning', **app_kw):
-        self.sock = _bind(host, port)
-        self.host, self.port = host, self.sock.getsockname()[1]
-        self.server = _uvicorn_server(create_app(llm, **app_kw), log_level)
-        self.thread = threading.Thread(target=self.server.run, kwargs=dict(sockets=[self.sock]), daemon=True)
-        self.thread.start()
-        t0 = time.monotonic()
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() - t0 > 30:
-                raise RuntimeError(f'the server thread did not start on {host}:{self.port}')
-            time.sleep(0.01)
-
-    @property
-    def base_url(self) -> str: return f'http://{self.host}:{self.port}/v1'
-
-    def stop(self):
-        "Stop serving and wait for the thread."
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.sock.close()
-
-    def __enter__(self): return self
-    def __exit__(self, *exc): self.stop()
-
 # %% ../../nbs/15_llm_server.ipynb #1e7f54bb
 def is_loopback(host: str) -> bool:
     "Whether `host` is a loopback address (`127.0.0.0/8`, `::1`) or `localhost`."
@@ -303,7 +303,286 @@ def check_exposure(host: str, api_key: str | None, allow_unauthenticated: bool =
                      "or --allow-unauthenticated to serve anyone who can reach it")
 
 
+# %% ../../nbs/15_llm_server.ipynb #26915950
+def _host_name(host: str) -> str:
+    "The name in a `Host` header without its port: '[::1]:8000' -> '[::1]', 'localhost:80' -> 'localhost'."
+    if host.startswith('['): return host.split(']')[0] + ']'
+    return host.split(':')[0] if host.count(':') == 1 else host
+
+class LoopbackHostsOnly:
+    "ASGI middleware refusing (403) requests whose `Host` header is not a loopback name or address."
+    def __init__(self, app): self.app = app
+
+    async def __call__(self, scope, receive, send):
+        host = dict(scope.get('headers') or []).get(b'host', b'').decode('latin-1')
+        if scope['type'] == 'http' and not is_loopback(_host_name(host)):
+            from starlette.responses import JSONResponse
+            msg = (f"Host {_short(host)} is not a name of this loopback server; send requests to 127.0.0.1 or localhost "
+                   "(to serve other names, listen on them with --host and give an --api-key)")
+            return await JSONResponse(_error_body(msg, 403), status_code=403)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+# %% ../../nbs/15_llm_server.ipynb #1e21a8dd
+class Admission:
+    "Requests waiting for the model or generating: at most `max_queue`, with at most `gate` samples handed over at once."
+    def __init__(self, max_queue: int, gate: int | None = None):
+        self.max_queue, self.gate = max_queue, gate
+        self.admitted, self.running, self.exclusive, self.closed = 0, 0, False, False
+        self.waiting = deque()                     # (future, n, alone) in arrival order
+
+    def reserve(self):
+        "Count one more request, or refuse it (503) when `max_queue` are in or the server is stopping; `release` undoes it."
+        if self.closed: raise BadRequest('the server is shutting down; retry later or elsewhere', status=503)
+        if self.admitted >= self.max_queue:
+            raise BadRequest(f'the server is busy: {self.max_queue} requests are waiting or generating '
+                             '(tmas serve --max-queue); retry in a moment', status=503)
+        self.admitted += 1
+
+    def release(self): self.admitted -= 1
+
+    def _fits(self, n: int, alone: bool) -> bool:
+        if self.exclusive: return False
+        return self.running == 0 or (not alone and (self.gate is None or self.running + n <= self.gate))
+
+    def _take(self, n, alone): self.running += n; self.exclusive = alone
+
+    def _give(self, n, alone):
+        self.running -= n
+        if alone: self.exclusive = False
+        self._wake()
+
+    def _wake(self):
+        while self.waiting:
+            fut, n, alone = self.waiting[0]
+            if fut.done(): self.waiting.popleft(); continue       # its caller left
+            if not self._fits(n, alone): return
+            self.waiting.popleft(); self._take(n, alone); fut.set_result(None)
+
+    def close(self):
+        "Refuse new requests and send the waiting ones away with a 503; running ones go on."
+        self.closed = True
+        for fut, _, _ in self.waiting:
+            if not fut.done(): fut.set_exception(BadRequest('the server is shutting down; retry later or elsewhere', status=503))
+        self.waiting.clear()
+
+    async def run(self, n: int, make, alone: bool = False):
+        "Wait for a turn for `n` samples, then await `make()`; it runs to its end (holding the turn) even if the caller leaves."
+        if self.closed: raise BadRequest('the server is shutting down; retry later or elsewhere', status=503)
+        if not self.waiting and self._fits(n, alone): self._take(n, alone)
+        else:
+            fut = asyncio.get_running_loop().create_future()
+            self.waiting.append((fut, n, alone))
+            try: await fut
+            except asyncio.CancelledError:
+                if fut.done() and not fut.cancelled() and fut.exception() is None: self._give(n, alone)   # turn came as it left
+                else: self._wake()
+                raise
+        work = asyncio.ensure_future(make())
+        def done(t):
+            self._give(n, alone)
+            if not t.cancelled(): t.exception()        # retrieved, so an abandoned failure is not logged as lost
+        work.add_done_callback(done)
+        return await asyncio.shield(work)
+
+# %% ../../nbs/15_llm_server.ipynb #562e32b0
+async def generate_isolated(llm: LLM, request: Request, admission: Admission) -> list[Completion]:
+    "The completions of `request`; when its batch fails it is run once more alone, so only a request that breaks a batch fails."
+    try: [cs] = await admission.run(request.n, lambda: llm.generate([request]))
+    except BadRequest: raise
+    except Exception: [cs] = await admission.run(request.n, lambda: llm.generate([request]), alone=True)
+    return cs
+
+# %% ../../nbs/15_llm_server.ipynb #5fbfdd3d
+class ClientGone(Exception):
+    "The client disconnected before its answer was ready."
+
+async def _disconnected(receive):
+    "Return once the ASGI `receive` reports that the client has gone."
+    while (await receive())['type'] != 'http.disconnect': await asyncio.sleep(0.05)
+
+async def unless_disconnected(receive, work):
+    "The result of the coroutine `work`; `ClientGone`, with `work` cancelled, when the client disconnects first."
+    job, gone = asyncio.ensure_future(work), asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait({job, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if job.done(): return job.result()
+        raise ClientGone()
+    finally:
+        job.cancel(); gone.cancel()
+
+# %% ../../nbs/15_llm_server.ipynb #19bd3f78
+def _refusal(e: BadRequest):
+    from fastapi.responses import JSONResponse
+    return JSONResponse(_error_body(str(e), e.status, e.param), status_code=e.status,
+                        headers={'Retry-After': '1'} if e.status == 503 else None)
+
+def _role(request) -> str:
+    role = request.headers.get('x-tmas-role') or 'remote'
+    if len(role) > 64 or not role.isprintable():
+        raise BadRequest('X-TMAS-Role: send a role name of at most 64 printable characters, such as solution', param='X-TMAS-Role')
+    return role
+
+def _prompt_length(tok, request: Request) -> int:
+    from tmas_nb.llm.transformers_backend import request_prompt_ids
+    return len(request_prompt_ids(tok, request))
+
+def _endpoint(app, parse, respond):
+    "A route that reads and checks a body with `parse`, waits for its turn, generates, and answers with `respond`."
+    from fastapi import Request as HTTPRequest
+    from fastapi.responses import JSONResponse, Response
+    s = app.state
+    async def handle(request):
+        s.counts['requests'] += 1
+        try:
+            body = await read_json(request, s.limits.max_body_bytes)
+            req = parse(body, s.model_name, role=_role(request), limits=s.limits)
+            s.admission.reserve()
+        except BadRequest as e: s.counts['refused'] += 1; return _refusal(e)
+        s.counts['in_flight'] = s.admission.admitted
+        s.counts['peak_in_flight'] = max(s.counts['peak_in_flight'], s.counts['in_flight'])
+        try:
+            if s.tokenizer is not None:
+                n = await asyncio.to_thread(_tokenizer_call, 'the prompt could not be tokenized', _prompt_length, s.tokenizer, req)
+                explicit = body.get('max_tokens') is not None or body.get('max_completion_tokens') is not None
+                req = prompt_fits(n, req, s.limits, explicit)
+            completions = await unless_disconnected(request.receive, generate_isolated(s.llm, req, s.admission))
+            return respond(completions, s.model_name)
+        except BadRequest as e: s.counts['refused'] += 1; return _refusal(e)
+        except ClientGone: s.counts['disconnected'] += 1; return Response(status_code=499)
+        except Exception as e:
+            return JSONResponse(_error_body(f'generation failed: {type(e).__name__}: {e}', 500), status_code=500)
+        finally:
+            s.admission.release(); s.counts['in_flight'] = s.admission.admitted
+    handle.__annotations__['request'] = HTTPRequest   # a real class, not the postponed string, for FastAPI
+    return handle
+
+# %% ../../nbs/15_llm_server.ipynb #a6be1470
+def create_app(llm: LLM, served_model_name: str | None = None, limits: ServerLimits | None = None,
+               api_key: str | None = None, loopback_only: bool = False):
+    "A FastAPI application serving `llm` at `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/v1/usage`, `/health` (and `/tokenize`, `/detokenize`)."
+    from fastapi import FastAPI
+    name = served_model_name or llm.model_id
+    limits = limits or ServerLimits.for_model(llm)
+    app = FastAPI(title='tmas_nb model server', version='1')
+    if api_key: app.middleware('http')(_key_check(api_key))
+    if loopback_only: app.add_middleware(LoopbackHostsOnly)
+    batch = getattr(llm, 'max_batch_size', None)       # two batches handed over: one decoding, one ready
+    s = app.state
+    s.llm, s.model_name, s.limits, s.tokenizer = llm, name, limits, getattr(llm, 'tokenizer', None)
+    s.admission = Admission(limits.max_queue, gate=2 * batch if isinstance(batch, int) else None)
+    s.counts = dict(requests=0, in_flight=0, peak_in_flight=0, refused=0, disconnected=0)
+    created = int(time.time())
+
+    @app.get('/health')
+    async def health():
+        return {'status': 'ok', 'model': name, **s.counts, 'waiting': len(s.admission.waiting), 'running_samples': s.admission.running}
+
+    @app.get('/v1/models')
+    async def models():
+        return {'object': 'list', 'data': [{'id': name, 'object': 'model', 'created': created, 'owned_by': 'tmas_nb'}]}
+
+    @app.get('/v1/usage')
+    async def usage(): return llm.usage.to_dict()
+
+    app.post('/v1/chat/completions')(_endpoint(app, parse_chat_request, completion_response))
+    app.post('/v1/completions')(_endpoint(app, parse_completion_request, text_completion_response))
+    if s.tokenizer is not None: _add_tokenizer_routes(app, s.tokenizer, limits)
+    return app
+
+def _add_tokenizer_routes(app, tok, limits: ServerLimits):
+    "`POST /tokenize` and `POST /detokenize` with the backend's tokenizer (in a thread: a long text does not stall the loop)."
+    from fastapi import Request as HTTPRequest
+    def route(fn):
+        async def handle(request):
+            try: return await asyncio.to_thread(fn, await read_json(request, limits.max_body_bytes))
+            except BadRequest as e: return _refusal(e)
+        handle.__annotations__['request'] = HTTPRequest
+        return handle
+    app.post('/tokenize')(route(lambda b: tokenize_body(tok, b, limits.context)))
+    app.post('/detokenize')(route(lambda b: detokenize_body(tok, b)))
+
+# %% ../../nbs/15_llm_server.ipynb #1e462849
+def _bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ':' in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try: sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port} ({e.strerror}); choose another --port or stop the process using it") from e
+    sock.listen(2048); sock.set_inheritable(True)
+    return sock
+
+def _uvicorn_server(app, log_level: str):
+    "A uvicorn server whose shutdown sends waiting requests away at once and gives running ones `shutdown_timeout_s`."
+    import uvicorn
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            app.state.admission.close()
+            await super().shutdown(sockets=sockets)
+    config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_keep_alive=30, lifespan='off',
+                            timeout_graceful_shutdown=app.state.limits.shutdown_timeout_s)
+    return Server(config)
+
+def _app_for(llm: LLM, host: str, **app_kw):
+    "The application, refusing foreign `Host` headers when it listens on loopback without a key."
+    return create_app(llm, loopback_only=is_loopback(host) and not app_kw.get('api_key'), **app_kw)
+
+def serve(llm: LLM, host: str = '127.0.0.1', port: int = 8000, log_level: str = 'warning', sock=None, **app_kw):
+    "Serve `llm` until interrupted (Ctrl-C or SIGTERM), on `sock` when the caller already holds the port."
+    sock = sock or _bind(host, port)
+    server = _uvicorn_server(_app_for(llm, host, **app_kw), log_level)
+    try: server.run(sockets=[sock])
+    finally: sock.close()
+
+class ServerThread:
+    "Serve `llm` from a background thread; use as a context manager or call `stop()`."
+    def __init__(self, llm: LLM, host: str = '127.0.0.1', port: int = 0, log_level: str = 'warning', **app_kw):
+        self.sock = _bind(host, port)
+        self.host, self.port = host, self.sock.getsockname()[1]
+        self.app = _app_for(llm, host, **app_kw)
+        self.server = _uvicorn_server(self.app, log_level)
+        self.thread = threading.Thread(target=self.server.run, kwargs=dict(sockets=[self.sock]), daemon=True)
+        self.thread.start()
+        t0 = time.monotonic()
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() - t0 > 30:
+                raise RuntimeError(f'the server thread did not start on {host}:{self.port}')
+            time.sleep(0.01)
+
+    @property
+    def base_url(self) -> str: return f'http://{self.host}:{self.port}/v1'
+
+    def stop(self):
+        "Stop serving (requests in flight get the shutdown timeout) and wait for the thread."
+        self.server.should_exit = True
+        self.thread.join(timeout=self.app.state.limits.shutdown_timeout_s + 10)
+        self.sock.close()
+
+    def __enter__(self): return self
+    def __exit__(self, *exc): self.stop()
+
 # %% ../../nbs/15_llm_server.ipynb #946490aa
+_FLAGS = {'max_n': '--max-n', 'max_tokens': '--max-tokens', 'default_max_tokens': '--default-max-tokens',
+          'max_body_bytes': '--max-body-mb', 'max_queue': '--max-queue', 'shutdown_timeout_s': '--shutdown-timeout'}
+
+def _limits_from_args(args, llm: LLM | None = None) -> ServerLimits:
+    "The `ServerLimits` of the command line (with the model's context and vocabulary once `llm` is loaded)."
+    given = dict(max_n=args.max_n, max_tokens=args.max_tokens, default_max_tokens=args.default_max_tokens,
+                 max_body_bytes=None if args.max_body_mb is None else max(1, int(args.max_body_mb * 2**20)),
+                 max_queue=args.max_queue, shutdown_timeout_s=args.shutdown_timeout)
+    try: return ServerLimits.for_model(llm, **given)
+    except ValueError as e:
+        msg = str(e)
+        for field, flag in _FLAGS.items(): msg = msg.replace(f'ServerLimits.{field}:', f'{flag}:')
+        raise ValueError(msg) from None
+
+def _close_within(llm: LLM, timeout: float) -> bool:
+    "Close `llm` from a helper thread, waiting at most `timeout` seconds (a batch being decoded is not waited for)."
+    t = threading.Thread(target=llm.close, daemon=True, name='tmas-serve-close')
+    t.start(); t.join(timeout)
+    return not t.is_alive()
+
+# %% ../../nbs/15_llm_server.ipynb #20c918aa
 def _serve_command(args) -> int:
     import os
     from tmas_nb.llm.core import load_llm
@@ -315,6 +594,7 @@ def _serve_command(args) -> int:
                               n_parallel=args.max_batch_size, served_model_name=args.served_model_name)
     if args.engine != 'transformers':
         raise ValueError(f"--engine {args.engine!r} is unknown; use 'transformers' or 'llama.cpp'")
+    _limits_from_args(args)              # bad limits fail before the model is loaded
     kw = {k: v for k, v in dict(device=args.device, num_threads=args.num_threads, dtype=args.dtype,
                                 max_batch_size=args.max_batch_size, quantize=args.quantize).items() if v is not None}
     sock = _bind(args.host, args.port)   # a taken port fails at once, not after the model has loaded
@@ -322,17 +602,18 @@ def _serve_command(args) -> int:
     print(f'tmas serve: loading {args.model} ...', file=sys.stderr, flush=True)
     try: llm = load_llm(args.model, backend='transformers', **kw)
     except BaseException: sock.close(); raise
-    name = args.served_model_name or args.model
-    print(f'tmas serve: {name} ready in {time.perf_counter() - t0:.1f}s at http://{args.host}:{args.port}/v1',
+    name, limits = args.served_model_name or args.model, _limits_from_args(args, llm)
+    print(f'tmas serve: {name} ready in {time.perf_counter() - t0:.1f}s at http://{args.host}:{args.port}/v1 '
+          f'(n <= {limits.max_n}, max_tokens <= {limits.max_tokens}, context {limits.context}, queue {limits.max_queue})',
           file=sys.stderr, flush=True)
-    try:
-        serve(llm, host=args.host, port=args.port, log_level=args.log_level, sock=sock, served_model_name=name,
-              max_n=args.max_n, default_max_tokens=args.default_max_tokens, max_tokens_limit=args.max_tokens_limit,
-              api_key=api_key)
+    try: serve(llm, host=args.host, port=args.port, log_level=args.log_level, sock=sock, served_model_name=name,
+               limits=limits, api_key=api_key)
     finally:
-        llm.close()
+        if not _close_within(llm, limits.shutdown_timeout_s):
+            print('tmas serve: the model was still decoding a batch; exiting without waiting for it', file=sys.stderr, flush=True)
     return 0
 
+# %% ../../nbs/15_llm_server.ipynb #477f04f0
 def add_cli(subparsers):
     "Add `tmas serve`."
     p = subparsers.add_parser('serve', help='serve a model as an OpenAI-compatible chat server',
@@ -349,9 +630,18 @@ def add_cli(subparsers):
     p.add_argument('--quantize', default=None, choices=['int8'],
                    help='CPU: int8 linear layers with a scale per activation row (about 4x float32\'s speed, seeds stay exact)')
     p.add_argument('--max-batch-size', type=int, default=None, help='most sequences decoded together')
-    p.add_argument('--max-n', type=int, default=None, help='return at most this many samples per call (clients ask again for the rest)')
-    p.add_argument('--default-max-tokens', type=int, default=512, help='max_tokens when a request does not say')
-    p.add_argument('--max-tokens-limit', type=int, default=None, help='refuse requests asking for more new tokens than this')
+    d = ServerLimits
+    p.add_argument('--max-n', type=int, default=d.max_n,
+                   help=f'refuse (400) requests for more samples than this (default: {d.max_n}; OpenAIBackend then splits its calls)')
+    p.add_argument('--max-tokens', '--max-tokens-limit', dest='max_tokens', type=int, default=None,
+                   help="refuse (400) requests for more new tokens than this (default: the model's context)")
+    p.add_argument('--default-max-tokens', type=int, default=d.default_max_tokens, help='max_tokens when a request does not say')
+    p.add_argument('--max-body-mb', type=float, default=d.max_body_bytes / 2**20,
+                   help=f'refuse (413) request bodies larger than this (default: {d.max_body_bytes / 2**20:g})')
+    p.add_argument('--max-queue', type=int, default=d.max_queue,
+                   help=f'requests waiting or generating at once; more are answered 503 with Retry-After (default: {d.max_queue})')
+    p.add_argument('--shutdown-timeout', type=float, default=d.shutdown_timeout_s,
+                   help=f'seconds requests in flight get to finish on SIGTERM or Ctrl-C before they are cancelled (default: {d.shutdown_timeout_s:g})')
     p.add_argument('--api-key', default=None,
                    help='require "Authorization: Bearer KEY" on /v1 routes (default: $TMAS_API_KEY; none: no check)')
     p.add_argument('--allow-unauthenticated', action='store_true',
