@@ -174,7 +174,7 @@ def test_named_report_without_its_input_is_one_line(tmp_path):
 # ---- --data-dir -------------------------------------------------------------------------------------------------
 
 def test_data_dir_may_be_the_replay_folder(data_root):
-    args = ['replay', 'eval', '--model', 'Qwen3-4B', '--dataset', 'aime24', '--controller', 'sc:k=4', '--seeds', '5', '--json']
+    args = ['replay', 'eval', '--model', 'Qwen3-4B', '--benchmark', 'aime24', '--controller', 'sc:k=4', '--seeds', '5', '--json']
     a, b = tmas(*args, '--data-dir', data_root), tmas(*args, '--data-dir', data_root / 'autotts_replay')
     assert a.returncode == b.returncode == 0, (a.stderr, b.stderr)
     assert json.loads(a.stdout) == json.loads(b.stdout)

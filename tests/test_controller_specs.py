@@ -86,7 +86,7 @@ def test_changed_parameter_is_checked_again_before_evaluation():
 
 
 def _eval(data_root, spec):
-    return main(['replay', 'eval', '--data-dir', str(data_root), '--model', 'Qwen3-4B', '--dataset', 'aime24',
+    return main(['replay', 'eval', '--data-dir', str(data_root), '--model', 'Qwen3-4B', '--benchmark', 'aime24',
                  '--controller', spec, '--seeds', '1', '--json'])
 
 
@@ -105,5 +105,5 @@ def test_cli_refuses_bad_specs_with_exit_2(data_root, capsys, spec, needle):
 def test_cli_grid_refuses_bad_spec(data_root, tmp_path, capsys):
     out = tmp_path / 'g.csv'
     assert main(['replay', 'grid', '--data-dir', str(data_root), '--out', str(out), '--jobs', '1', '--seeds', '1',
-                 '--models', 'Qwen3-8B', '--datasets', 'aime25', '--controllers', 'sc:k=4;cmc:beta=2']) == 2
+                 '--models', 'Qwen3-8B', '--benchmarks', 'aime25', '--controllers', 'sc:k=4;cmc:beta=2']) == 2
     assert 'beta=2' in capsys.readouterr().err and not out.exists()

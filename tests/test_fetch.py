@@ -132,7 +132,7 @@ def test_fresh_machine_fetch_then_main_job(mirror, data_root, tmp_path, monkeypa
     env |= {'TMAS_NO_SHARED_DATA': '1', 'XDG_DATA_HOME': str(tmp_path / 'xdg'), 'OMP_NUM_THREADS': '1'}
     for k in ('TMAS_DATA_DIR', 'TMAS_DATA_HOME', 'TMAS_DATA_MIRROR'): monkeypatch.delenv(k, raising=False)
     for k in ('TMAS_NO_SHARED_DATA', 'XDG_DATA_HOME'): monkeypatch.setenv(k, env[k])
-    job = ['replay', 'eval', '--model', 'Qwen3-0.6B', '--dataset', 'aime24', '--controller', 'sc:k=8', '--seeds', '3', '--json']
+    job = ['replay', 'eval', '--model', 'Qwen3-0.6B', '--benchmark', 'aime24', '--controller', 'sc:k=8', '--seeds', '3', '--json']
     assert main(job) == 2
     assert '`tmas data fetch autotts`' in capsys.readouterr().err
     with Server(mirror, tmp_path / 'log') as s:
@@ -154,7 +154,7 @@ def test_fresh_machine_fetch_then_main_job(mirror, data_root, tmp_path, monkeypa
     assert rows['imo-answerbench']['licence'] == 'CC-BY 4.0' and 'never redistributed' in rows['autotts']['licence']
     # the data folder exists now; a store missing from it is still reported with the command that provides it
     (home / 'autotts_replay' / 'Qwen3-8B' / 'hmmt25.json').unlink()
-    assert main(['replay', 'eval', '--model', 'Qwen3-8B', '--dataset', 'hmmt25', '--controller', 'sc:k=8']) == 2
+    assert main(['replay', 'eval', '--model', 'Qwen3-8B', '--benchmark', 'hmmt25', '--controller', 'sc:k=8']) == 2
     assert 'Get it with `tmas data fetch autotts`' in capsys.readouterr().err
 
 

@@ -23,7 +23,7 @@ def judged_run(tmp_path_factory):
     d = tmp_path_factory.mktemp('judge') / 'run'
     tmas('run', '--method', 'sampling', '--benchmark', 'demo', '--model', 'smollm2', '--limit', '2', '--n-candidates', '2',
          '--max-new-tokens', '80', '--threads', '1', '--quiet', '--out', str(d))
-    first = tmas('judge', str(d), '--judge', 'smollm2', '--runs', '2', '--max-new-tokens', '6', '--threads', '1', '--quiet')
+    first = tmas('judge', str(d), '--judge', 'smollm2', '--repeats', '2', '--max-new-tokens', '6', '--threads', '1', '--quiet')
     return d, first
 
 
@@ -49,7 +49,7 @@ def test_judge_writes_columns_and_pass_at_1_over_judge_runs(judged_run):
 def test_judging_again_is_served_from_the_cache(judged_run):
     d, _ = judged_run
     before = pq.read_table(d / 'records.parquet').to_pandas()
-    tmas('judge', str(d), '--judge', 'smollm2', '--runs', '2', '--max-new-tokens', '6', '--threads', '1', '--quiet')
+    tmas('judge', str(d), '--judge', 'smollm2', '--repeats', '2', '--max-new-tokens', '6', '--threads', '1', '--quiet')
     meta = json.loads((d / 'judge.json').read_text())
     assert meta['cache']['misses'] == 0 and meta['cache']['hits'] == 2 * meta['judged_candidates']
     after = pq.read_table(d / 'records.parquet').to_pandas()

@@ -31,7 +31,7 @@ class Server:
         with open(self.log, 'wb') as f:
             self.proc = subprocess.Popen(
                 [sys.executable, '-m', 'tmas_nb.cli', 'serve', '--model', MODEL, '--port', str(port),
-                 '--num-threads', '1', *flags], stdout=f, stderr=subprocess.STDOUT, env=env)
+                 '--threads', '1', *flags], stdout=f, stderr=subprocess.STDOUT, env=env)
 
     @property
     def url(self) -> str: return f'http://127.0.0.1:{self.port}/v1'
@@ -386,7 +386,7 @@ def test_api_key_required_when_set(log_dir):
     log = log_dir / 'keyed.log'
     with open(log, 'wb') as f:      # beyond loopback (all interfaces) is allowed because there is a key
         proc = subprocess.Popen([sys.executable, '-m', 'tmas_nb.cli', 'serve', '--model', MODEL, '--host', '0.0.0.0',
-                                 '--port', str(port), '--num-threads', '1'], stdout=f, stderr=subprocess.STDOUT, env=env)
+                                 '--port', str(port), '--threads', '1'], stdout=f, stderr=subprocess.STDOUT, env=env)
     try:
         t0 = time.monotonic()
         while True:

@@ -124,7 +124,7 @@ def test_bad_store_files_name_file_question_and_field(tmp_path, content, needle)
 
 def test_cli_eval_json_contract(data_root):
     out = subprocess.run([sys.executable, '-m', 'tmas_nb.cli', 'replay', 'eval', '--data-dir', str(data_root),
-                          '--model', 'Qwen3-4B', '--dataset', 'aime24', '--controller', 'cmc:beta=0.5', '--json'],
+                          '--model', 'Qwen3-4B', '--benchmark', 'aime24', '--controller', 'cmc:beta=0.5', '--json'],
                          capture_output=True, text=True, check=True)
     d = json.loads(out.stdout)
     assert round(d['acc'], 2) == 81.97 and round(d['avg_tokens']) == 236735
@@ -139,7 +139,7 @@ def test_cli_eval_json_contract(data_root):
     (['--controller', 'sc:k=4', '--seeds', '0'], '--seeds must be >= 1'),
 ])
 def test_cli_bad_arguments_are_clear_errors(data_root, capsys, args, needle):
-    base = {'--model': 'Qwen3-4B', '--dataset': 'aime24'}
+    base = {'--model': 'Qwen3-4B', '--benchmark': 'aime24'}
     argv = ['replay', 'eval', '--data-dir', str(data_root)]
     for k, v in base.items():
         if k not in args:
@@ -151,7 +151,7 @@ def test_cli_bad_arguments_are_clear_errors(data_root, capsys, args, needle):
 def test_cli_grid_writes_file(data_root, tmp_path):
     out = tmp_path / 'g.csv'
     assert main(['replay', 'grid', '--data-dir', str(data_root), '--out', str(out), '--jobs', '1', '--seeds', '2',
-                 '--models', 'Qwen3-8B', '--datasets', 'aime25', '--controllers', 'sc:k=4;cmc:beta=0.5']) == 0
+                 '--models', 'Qwen3-8B', '--benchmarks', 'aime25', '--controllers', 'sc:k=4;cmc:beta=0.5']) == 0
     df = pd.read_csv(out)
     assert list(df.spec) == ['sc:k=4', 'cmc:beta=0.5'] and df.seeds.tolist() == [2, 2]
 
@@ -164,7 +164,7 @@ def test_every_subcommand_has_help(cmd):
 
 def test_trace_is_columnar_and_small(data_root, tmp_path):
     out = tmp_path / 't.parquet'
-    assert main(['replay', 'eval', '--data-dir', str(data_root), '--model', 'Qwen3-4B', '--dataset', 'aime24',
+    assert main(['replay', 'eval', '--data-dir', str(data_root), '--model', 'Qwen3-4B', '--benchmark', 'aime24',
                  '--controller', 'pp:num_chains=64', '--seeds', '1', '--trace', str(out), '--json']) == 0
     df = pd.read_parquet(out)
     assert (df.action == 'ANSWER').sum() == 30 and len(df) > 10000
@@ -172,7 +172,7 @@ def test_trace_is_columnar_and_small(data_root, tmp_path):
 
 
 def _eval_argv(data_root, *extra):
-    return ['replay', 'eval', '--data-dir', str(data_root), '--model', 'Qwen3-4B', '--dataset', 'aime24',
+    return ['replay', 'eval', '--data-dir', str(data_root), '--model', 'Qwen3-4B', '--benchmark', 'aime24',
             '--controller', 'sc:k=4', '--seeds', '2', '--json', *extra]
 
 
@@ -210,5 +210,5 @@ def test_trace_csv_holds_the_traced_seeds(data_root, tmp_path):
 def test_grid_out_must_be_parquet_or_csv(data_root, tmp_path, capsys):
     out = tmp_path / 'g.txt'
     assert main(['replay', 'grid', '--data-dir', str(data_root), '--out', str(out), '--jobs', '1', '--seeds', '1',
-                 '--models', 'Qwen3-8B', '--datasets', 'aime25', '--controllers', 'sc:k=4']) == 2
+                 '--models', 'Qwen3-8B', '--benchmarks', 'aime25', '--controllers', 'sc:k=4']) == 2
     assert '--out' in capsys.readouterr().err and not out.exists()

@@ -271,7 +271,7 @@ def test_cli_json_and_exit_code(tmp_path, data_root, capsys):
     from tmas_nb.cli import main
     cls, src = example_controller('authors_sc')
     p = write(tmp_path, 'sc.py', src)
-    args = ['replay', 'eval', '--data-dir', str(data_root), '--model', 'Qwen3-4B', '--dataset', 'aime24', '--seeds', '2',
+    args = ['replay', 'eval', '--data-dir', str(data_root), '--model', 'Qwen3-4B', '--benchmark', 'aime24', '--seeds', '2',
             '--json', '--controller-file', str(p)]
     assert main(args + ['--controller-class', cls, '--controller-config', '{"k": 4}']) == 0
     d = json.loads(capsys.readouterr().out)
@@ -283,7 +283,7 @@ def test_cli_json_and_exit_code(tmp_path, data_root, capsys):
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith('tmas: error: sc.py: no top-level class')
     assert 'Traceback' not in bad.stderr
     out = tmp_path / 'g.csv'
-    assert main(['replay', 'grid', '--data-dir', str(data_root), '--models', 'Qwen3-4B', '--datasets', 'aime24', '--seeds', '2',
+    assert main(['replay', 'grid', '--data-dir', str(data_root), '--models', 'Qwen3-4B', '--benchmarks', 'aime24', '--seeds', '2',
                  '--controller-file', str(p), '--controller-class', cls, '--controller-configs', '[{"k": 1}, {"k": "x"}]',
                  '--out', str(out)]) == 0
     import pandas as pd

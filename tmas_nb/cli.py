@@ -7,33 +7,125 @@ from __future__ import annotations
 import argparse, datetime, importlib, os, sys, traceback
 from pathlib import Path
 
+from .settings import CommandHelp
+
 # %% auto #0
-__all__ = ['COMMAND_MODULES', 'EXPECTED', 'build_parser', 'UserError', 'error_message', 'error_dir', 'save_traceback',
+__all__ = ['GROUPS', 'COMMANDS', 'EXPECTED', 'build_parser', 'UserError', 'error_message', 'error_dir', 'save_traceback',
            'run_command', 'main']
 
 # %% ../nbs/99_cli.ipynb #b1ee5884
-COMMAND_MODULES = [
-    'tmas_nb.replay.evaluation',
-    'tmas_nb.grading',
-    'tmas_nb.llm.server',
-    'tmas_nb.llm.engines',
-    'tmas_nb.runs',
-    'tmas_nb.reporting',
-    'tmas_nb.rl',
-    'tmas_nb.discovery',
-    'tmas_nb.fetch',
-    'tmas_nb.data',
-    'tmas_nb.judge',
-    'tmas_nb.doctor',
-]
+GROUPS = {
+    'replay': 'AutoTTS offline replay environment: evaluate width-depth controllers without LLM calls',
+    'engines': 'measure the CPU engines on this machine; `tmas run --backend auto` picks by it',
+    'runs': 'inspect run folders',
+    'rl': 'hybrid RL: training data from TMAS runs and GRPO training through TRL',
+    'data': 'get and check the public data sets (AutoTTS replay stores, benchmarks)',
+}
+
+COMMANDS = {   # command: (module:function that adds its flags, help, description)
+    'replay eval': ('tmas_nb.replay.evaluation:eval_cli', "evaluate one controller on one replay store (authors' protocol)",
+                    'Evaluate one controller on one store. SPEC examples: sc:k=64, asc:max_samples=64,threshold=0.95, '
+                    'esc:max_samples=64,window=8, pp:num_chains=64, cmc:beta=0.5'),
+    'replay grid': ('tmas_nb.replay.evaluation:grid_cli', 'run the standard controller grid on all stores',
+                    'ASC, ESC, SC, Parallel-Probe and CMC sweeps (34 configurations) on every model × benchmark store.'),
+    'replay build': ('tmas_nb.replay.build:build_cli', 'build a replay store from a model (branches probed every T tokens)',
+                     'Sample B branches per question, probe each every T tokens, write a store the loader validates. '
+                     'Resumes from STORE.json.parts/ after an interruption.'),
+    'grade': ('tmas_nb.grading:grade_cli', 'check a prediction against a reference answer; prints true/false',
+              'Extract the final answer from a prediction (the last \\boxed{}, else an "answer is" line) and compare it with '
+              'the reference answer.'),
+    'serve': ('tmas_nb.llm.server:serve_cli', 'serve a model as an OpenAI-compatible chat server',
+              'Load a model and serve it at /v1/chat/completions and /v1/completions (in this process, or with llama-server '
+              'for --backend llama.cpp).'),
+    'engines calibrate': ('tmas_nb.llm.engines:calibrate_cli', 'time each engine at a few widths and save the table',
+                          'Measure our engines and llama.cpp on this machine so that `--backend auto` runs each run on the '
+                          'fastest.'),
+    'engines show': ('tmas_nb.llm.engines:show_cli', 'print the saved table and what --backend auto picks', None),
+    'engines build-llama': ('tmas_nb.llm.engines:build_llama_cli',
+                            "build llama-server from llama-cpp-python's sources into ~/.cache/tmas_nb/llama.cpp", None),
+    'run': ('tmas_nb.runs:run_cli', 'run TMAS, RSE or a baseline on a benchmark into a run folder (resumable)',
+            'Run a method on a benchmark. Rerunning the same command on the same --out folder resumes it from its '
+            'checkpoints and call cache.'),
+    'runs summary': ('tmas_nb.runs:summary_cli', 'pass@1 per iteration, tokens per role and completeness of a run',
+                     'Print the summary of a run folder; with --json exactly one JSON object with the keys method, problems, '
+                     'iterations, tokens_by_role, complete.'),
+    'report': ('tmas_nb.reporting:report_cli', 'regenerate a report notebook (papermill) into an output folder',
+               'Run reports/NAME.ipynb (or all of them) with papermill; outputs go to OUT/NAME/.'),
+    'rl data': ('tmas_nb.rl:data_cli', 'training rows (Parquet) from finished TMAS runs, or the toy task',
+                "Build training rows from finished TMAS run folders: problem, gold answer and the bank snapshots of each "
+                "problem's last iteration. `--runs toy` writes the toy task instead."),
+    'rl train': ('tmas_nb.rl:train_cli', 'GRPO training with the TMAS rewards (resumes from OUT/checkpoints)',
+                 'Train with TRL GRPOTrainer. Writes OUT/metrics.csv and OUT/checkpoints; rerunning the same command resumes '
+                 'from the last checkpoint. Multi-GPU: accelerate launch -m tmas_nb.cli rl train ...'),
+    'discover': ('tmas_nb.discovery:discover_cli', 'AutoTTS discovery loop: an LLM writes controllers, scored in the replay sandbox',
+                 'Each round the proposer writes a beta-parameterised controller file, which is evaluated in the sandbox on '
+                 'the training stores over beta in 0..1, scored against SC and CMC, and reviewed by a critic call. The best '
+                 'file is evaluated on the held-out stores. Rerun the same command to resume.'),
+    'data fetch': ('tmas_nb.fetch:fetch_cli', 'download data sets, pinned and verified (`tmas data list` shows them)',
+                   'Download data sets into the user data folder (or --dest), verify each file against its pinned sha256 '
+                   'and rename it into place. NAME: autotts, imo-answerbench, hmmt24, hmmt25, autotts-reference, all.'),
+    'data list': ('tmas_nb.fetch:list_cli', 'the data sets: source, licence, size, and whether they are present and verified', None),
+    'data mirror': ('tmas_nb.fetch:mirror_cli', 'lay out local data as a mirror (<owner>/<repo>/<commit>/<path>) for --mirror',
+                    'Lay out the verified files of a data folder as <OUT>/<owner>/<repo>/<commit>/<path> (symlinks unless '
+                    '--copy); serve OUT with any static web server, e.g. `python -m http.server -d OUT`, and fetch elsewhere '
+                    'with `tmas data fetch NAME --mirror http://HOST:PORT`.'),
+    'data hard-subset': ('tmas_nb.data:hard_subset_cli', "build a hard subset (TMAS's IMO-AnswerBench-50) as a problem-id list",
+                         'Sample --samples solutions per problem from a reference model, keep the problems with fewer than '
+                         '--threshold correct, pick --k of them with --seed, and write their ids (one per line, with how they '
+                         'were chosen) to --out.'),
+    'judge': ('tmas_nb.judge:judge_cli', 'grade every candidate of a run R times with an LLM judge (Pass@1 = mean over judge runs)',
+              'Ask a judge model whether each candidate of a finished run gives the reference answer, R times per '
+              'candidate, and write correct_judge0..R-1 into records.parquet. Calls are cached in the run folder, so an '
+              'interrupted judging resumes.'),
+    'doctor': ('tmas_nb.doctor:doctor_cli', 'check the device, the engine choice, seeds, throughput and a short generation',
+               'Load a model as a run would and check the machine: CUDA, GPU memory and bf16, which engine runs seeded and '
+               'greedy requests, that seeded requests give the same samples alone and batched, tokens per second, and one '
+               'short answer.'),
+}
+
+
+# %% ../nbs/99_cli.ipynb #c1a2b3d4
+_LEGACY = {'tmas_nb.replay.build:build_cli': ('add_build_cli', ['build']), 'tmas_nb.grading:grade_cli': ('add_cli', ['grade']),
+           'tmas_nb.runs:run_cli': ('add_cli', ['run']), 'tmas_nb.runs:summary_cli': ('add_cli', ['runs', 'summary']),
+           'tmas_nb.rl:data_cli': ('add_cli', ['rl', 'data']), 'tmas_nb.rl:train_cli': ('add_cli', ['rl', 'train']),
+           'tmas_nb.discovery:discover_cli': ('add_cli', ['discover']), 'tmas_nb.fetch:fetch_cli': ('add_cli', ['data', 'fetch']),
+           'tmas_nb.fetch:list_cli': ('add_cli', ['data', 'list']), 'tmas_nb.fetch:mirror_cli': ('add_cli', ['data', 'mirror'])}
+
+def _legacy(mod, fn, path):
+    def add(sub):
+        tmp = argparse.ArgumentParser(); s = tmp.add_subparsers()
+        getattr(mod, fn)(s)
+        leaf = s.choices[path[0]]
+        for name in path[1:]: leaf = next(a for a in leaf._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
+        for a in leaf._actions:
+            if a.dest != 'help': sub._add_action(a)
+        sub.set_defaults(**leaf._defaults)
+    return add
+
+def _flags_of(target: str):
+    "The function named by 'module:function'."
+    mod, fn = target.split(':')
+    m = importlib.import_module(mod)
+    if not hasattr(m, fn) and target in _LEGACY: return _legacy(m, *_LEGACY[target])
+    return getattr(m, fn)
 
 def build_parser() -> argparse.ArgumentParser:
-    "The full `tmas` argument parser."
+    "The full `tmas` argument parser, from `GROUPS` and `COMMANDS`."
     p = argparse.ArgumentParser(prog='tmas', description='Test-time scaling research: TMAS, RSE and the AutoTTS replay environment.')
-    sub = p.add_subparsers(dest='command', metavar='COMMAND')
-    sub.required = True
-    for m in COMMAND_MODULES: importlib.import_module(m).add_cli(sub)
+    top = p.add_subparsers(dest='command', metavar='COMMAND'); top.required = True
+    groups = {}
+    for name in [*GROUPS, *COMMANDS]:
+        head, _, leaf = name.partition(' ')
+        if name in GROUPS:
+            g = top.add_parser(name, help=GROUPS[name], formatter_class=CommandHelp)
+            groups[name] = g.add_subparsers(dest=f'{name}_command', metavar='SUBCOMMAND'); groups[name].required = True
+            continue
+        target, help_, desc = COMMANDS[name]
+        kw = dict(help=help_, description=desc, formatter_class=CommandHelp)
+        sub = groups[head].add_parser(leaf, **kw) if leaf else top.add_parser(name, **kw)
+        _flags_of(target)(sub)
     return p
+
 
 # %% ../nbs/99_cli.ipynb #fa5184f8
 class UserError(Exception):

@@ -15,7 +15,7 @@ from .grading import clean_answer
 __all__ = ['IMO_COLUMNS', 'JSONL_BENCHMARKS', 'DEMO_PROBLEMS', 'BENCHMARKS', 'SOLVE_PROMPT', 'Problem', 'ProblemFileError',
            'load_problems', 'load_imo_answerbench', 'load_jsonl_problems', 'load_hmmt', 'demo_problems',
            'load_benchmark', 'first_k', 'stratified', 'hard_subset', 'count_solves', 'write_problem_ids',
-           'read_problem_ids', 'select_problems', 'pick_subset', 'build_hard_subset', 'add_data_cli', 'add_cli']
+           'read_problem_ids', 'select_problems', 'pick_subset', 'build_hard_subset', 'hard_subset_cli']
 
 # %% ../nbs/17_data.ipynb #94cb3c9a
 @dataclass(frozen=True)
@@ -311,12 +311,8 @@ def _cmd_hard_subset(args) -> int:
           f"among {info['problems']} -> {out}; use it with `tmas run --problem-ids {out}`", file=sys.stderr)
     return 0
 
-def add_data_cli(data_subparsers):
-    "Add `hard-subset` to the subparsers of the `data` command group."
-    p = data_subparsers.add_parser('hard-subset', help="build a hard subset (TMAS's IMO-AnswerBench-50) as a problem-id list",
-                                   description='Sample --samples solutions per problem from a reference model, keep the '
-                                               'problems with fewer than --threshold correct, pick --k of them with --seed, '
-                                               'and write their ids (one per line, with how they were chosen) to --out.')
+def hard_subset_cli(p) -> None:
+    "The flags of `tmas data hard-subset`."
     p.add_argument('--benchmark', default='imo_answerbench', help='a benchmark name or file (default imo_answerbench)')
     p.add_argument('--model', required=True, help='the reference model (the paper: Qwen3-4B-Thinking-2507): a name, folder, or an OpenAI-compatible URL')
     p.add_argument('--served-model', dest='served_model', default=None, help='model name on the server (with a URL)')
@@ -333,9 +329,3 @@ def add_data_cli(data_subparsers):
     p.add_argument('--quiet', action='store_true')
     p.add_argument('--out', required=True, help='the problem-id list to write')
     p.set_defaults(func=_cmd_hard_subset)
-    return p
-
-def add_cli(subparsers):
-    "Add `tmas data hard-subset` to the `data` command group of the `tmas` parser."
-    from tmas_nb.fetch import data_subcommands
-    return add_data_cli(data_subcommands(subparsers))

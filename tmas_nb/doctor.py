@@ -6,10 +6,11 @@
 from __future__ import annotations
 import json, os, platform, sys, time
 from .llm.core import Request, engine_stats
+from .settings import deprecated_alias
 
 # %% auto #0
 __all__ = ['SEED_PROMPTS', 'device_report', 'seed_check', 'throughput', 'sample_generation', 'run_doctor', 'format_report',
-           'add_cli']
+           'doctor_cli']
 
 # %% ../nbs/19_doctor.ipynb #a9f69db9
 def device_report() -> dict:
@@ -120,21 +121,18 @@ def _cmd_doctor(args) -> int:
     os.environ.setdefault('HF_HUB_OFFLINE', '1')
     if args.batch < 1 or args.max_new_tokens < 1:
         raise ValueError(f"--batch and --max-new-tokens must be >= 1, got {args.batch} and {args.max_new_tokens}")
-    r = run_doctor(args.model, device=args.device, engine=args.engine, batch=args.batch, max_new_tokens=args.max_new_tokens)
+    r = run_doctor(args.model, device=args.device, engine=args.decode, batch=args.batch, max_new_tokens=args.max_new_tokens)
     print(json.dumps(r, ensure_ascii=False) if args.json else format_report(r))
     return 0 if r['ok'] else 1
 
-def add_cli(subparsers):
-    "Add the `doctor` command to an argparse subparsers object."
-    p = subparsers.add_parser('doctor', help='check the device, the engine choice, seeds, throughput and a short generation',
-                              description='Load a model as a run would and check the machine: CUDA, GPU memory and bf16, '
-                                          'which engine runs seeded and greedy requests, that seeded requests give the same '
-                                          'samples alone and batched, tokens per second, and one short answer.')
+def doctor_cli(p) -> None:
+    "The flags of `tmas doctor`."
     p.add_argument('--model', default='default', help="'default' (Qwen2.5-Coder-0.5B), 'smollm2' (fast), or a model folder")
     p.add_argument('--device', default=None, help="'cuda' or 'cpu' (default: CUDA when available)")
-    p.add_argument('--engine', default='auto', choices=['auto', 'batched', 'generate', 'continuous'], help='the backend engine')
+    p.add_argument('--decode', default='auto', choices=['auto', 'batched', 'generate', 'continuous'],
+                   help='the in-process decode loop to check (default auto)')
+    deprecated_alias(p, '--engine', '--decode', 'decode')
     p.add_argument('--batch', type=int, default=8, help='requests in the throughput batch')
     p.add_argument('--max-new-tokens', dest='max_new_tokens', type=int, default=32, help='tokens per request in the throughput batch')
     p.add_argument('--json', action='store_true', help='print one JSON object')
     p.set_defaults(func=_cmd_doctor)
-    return p

@@ -12,10 +12,11 @@ from .core import atomic_write_json
 from .agents import derive_seed
 from .grading import judge_messages, parse_verdict, answer_kind, clean_answer
 from .runs import judge_columns, pass_at_1_by_iteration, grading_label, load_run
+from .settings import deprecated_alias
 
 # %% auto #0
 __all__ = ['JUDGE_FILE', 'JUDGE_CACHE', 'SCOPES', 'needs_judge', 'judge_requests', 'judge_records', 'write_judge_columns',
-           'run_questions', 'judge_run', 'load_judge', 'add_cli']
+           'run_questions', 'judge_run', 'load_judge', 'judge_cli']
 
 # %% ../nbs/25_judge.ipynb #9701d07e
 JUDGE_FILE, JUDGE_CACHE = 'judge.json', 'judge_calls.sqlite'
@@ -120,25 +121,22 @@ def _cmd_judge(args) -> int:
     if not (run_dir / 'config.json').exists(): raise FileNotFoundError(f"{run_dir}: no config.json, so this is not a run folder")
     llm = load_judge(args.judge, run_dir / JUDGE_CACHE, args.served_model, args.threads)
     try:
-        meta = judge_run(run_dir, llm, args.judge, args.runs, args.scope, args.seed, args.temperature, args.max_new_tokens,
+        meta = judge_run(run_dir, llm, args.judge, args.repeats, args.scope, args.seed, args.temperature, args.max_new_tokens,
                          args.benchmark, progress=not args.quiet)
     finally: llm.close()
     curve = ', '.join(f"{k}: {v:.3f}" for k, v in meta['pass_at_1'].items())
-    print(f"{run_dir}: {meta['judged_candidates']} candidates judged {args.runs} times ({meta['unparsed_replies']} replies "
+    print(f"{run_dir}: {meta['judged_candidates']} candidates judged {args.repeats} times ({meta['unparsed_replies']} replies "
           f"without a verdict, counted incorrect); Pass@1 by iteration ({meta['grading']}) {{{curve}}}; "
           f"judge cache {meta['cache']['hits']} hits, {meta['cache']['misses']} misses")
     return 0
 
-def add_cli(subparsers):
-    "Add the `judge` command."
-    p = subparsers.add_parser('judge', help='grade every candidate of a run R times with an LLM judge (Pass@1 = mean over judge runs)',
-                              description='Ask a judge model whether each candidate of a finished run gives the reference '
-                                          'answer, R times per candidate, and write correct_judge0..R-1 into records.parquet. '
-                                          'Calls are cached in the run folder, so an interrupted judging resumes.')
+def judge_cli(p) -> None:
+    "The flags of `tmas judge`."
     p.add_argument('run_dir', help='a finished run folder')
     p.add_argument('--judge', required=True, help="the judge: a model name ('default', 'smollm2'), a model folder, or an OpenAI-compatible URL")
     p.add_argument('--served-model', dest='served_model', default=None, help='the model name on the server (with a URL)')
-    p.add_argument('--runs', type=int, default=4, help='judgements per candidate, R (the TMAS paper: 4)')
+    p.add_argument('--repeats', type=int, default=4, help='judgements per candidate, R (the TMAS paper: 4)')
+    deprecated_alias(p, '--runs', '--repeats', 'repeats', type=int)
     p.add_argument('--scope', choices=SCOPES, default='all', help="'all' candidates, or only those with a free-form 'text' answer")
     p.add_argument('--seed', type=int, default=0, help='seed of the judge calls')
     p.add_argument('--temperature', type=float, default=0.7)
@@ -147,4 +145,3 @@ def add_cli(subparsers):
     p.add_argument('--threads', type=int, default=None, help='torch CPU threads (in-process judge)')
     p.add_argument('--quiet', action='store_true', help='no progress bar')
     p.set_defaults(func=_cmd_judge)
-    return p

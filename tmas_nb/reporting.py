@@ -10,7 +10,7 @@ from pathlib import Path
 from .core import repo_root, find_data_dir, DATA_HINT
 
 # %% auto #0
-__all__ = ['REPORT_INPUTS', 'reports_dir', 'list_reports', 'run_report', 'report_defaults', 'missing_input', 'add_cli']
+__all__ = ['REPORT_INPUTS', 'reports_dir', 'list_reports', 'run_report', 'report_defaults', 'missing_input', 'report_cli']
 
 # %% ../nbs/90_reporting.ipynb #55f9aab8
 def reports_dir() -> Path:
@@ -159,10 +159,8 @@ def _cmd_report(args) -> int:
                                 f"the executed notebooks under {Path(args.out) / '<name>'} show where")
     return 0
 
-def add_cli(sub) -> None:
-    "Add the `report` command to the `tmas` parser."
-    p = sub.add_parser('report', help='regenerate a report notebook (papermill) into an output folder',
-                       description='Run reports/NAME.ipynb (or all of them) with papermill; outputs go to OUT/NAME/.')
+def report_cli(p) -> None:
+    "The flags of `tmas report`."
     p.add_argument('name', help="report name (a notebook in reports/, e.g. autotts_table) or 'all'")
     p.add_argument('--out', default='reports/out', help='output folder (default reports/out)')
     p.add_argument('-p', '--param', action='append', metavar='KEY=VALUE', help='override a report parameter (repeatable)')

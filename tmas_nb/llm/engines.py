@@ -14,7 +14,8 @@ from .models import canonical_model_name, packaged_model, default_device
 # %% auto #0
 __all__ = ['ENGINE_CACHE', 'CPU_ENGINES', 'ENGINE_NAMES', 'WIDTHS', 'SOLVE_PROMPT', 'machine_fingerprint', 'default_threads',
            'engine_cache', 'calibration_path', 'measure_throughput', 'engine_settings', 'engine_llm', 'calibrate',
-           'read_calibration', 'throughput_at', 'EngineChoice', 'choose_engine', 'run_width', 'add_cli']
+           'read_calibration', 'throughput_at', 'EngineChoice', 'choose_engine', 'run_width', 'calibrate_cli',
+           'show_cli', 'build_llama_cli']
 
 # %% ../../nbs/15b_llm_engines.ipynb #7abc191e
 ENGINE_CACHE = Path.home() / '.cache' / 'tmas_nb' / 'engines'
@@ -187,7 +188,7 @@ def _cmd_calibrate(args) -> int:
     engines = [e.strip() for e in args.engines.split(',')] if args.engines else None
     bad = [e for e in engines or [] if e not in CPU_ENGINES]
     if bad: raise ValueError(f"--engines: unknown {bad}; use {', '.join(CPU_ENGINES)}")
-    cal = calibrate(args.model, args.threads, _widths(args.widths), args.max_new_tokens, engines)
+    cal = calibrate(args.model, args.threads, _widths(args.widths), args.max_new_tokens, engines, progress=not args.quiet)
     for e, why in cal['skipped'].items(): print(f"{e}: not measured: {why}", file=sys.stderr)
     print(f"saved to {calibration_path(args.model, cal['threads'])}", file=sys.stderr)
     return _cmd_show(args)
@@ -216,26 +217,30 @@ def _cmd_build(args) -> int:
     print(f"llama-server built in {time.perf_counter() - t0:.0f} s: {b}")
     return 0
 
-def add_cli(subparsers):
-    "Add the `engines` command (calibrate, show, build-llama) to an argparse subparsers object."
+def _engine_table_flags(p) -> None:
+    p.add_argument('--model', default='default', help='a packaged model (default: the default model)')
+    p.add_argument('--threads', type=int, default=None, help='CPU threads per engine (default: every core); runs use the table of their own thread count')
+
+def calibrate_cli(p) -> None:
+    "The flags of `tmas engines calibrate`."
+    _engine_table_flags(p)
+    p.add_argument('--widths', default=','.join(map(str, WIDTHS)), help='requests in flight to measure at (default 1,8,64)')
+    p.add_argument('--max-new-tokens', dest='max_new_tokens', type=int, default=32, help='tokens per request (default 32)')
+    p.add_argument('--engines', default=None, help=f"comma-separated subset of {', '.join(CPU_ENGINES)}")
+    p.add_argument('--quiet', action='store_true', help='no progress bar')
+    p.set_defaults(func=_cmd_calibrate)
+
+def show_cli(p) -> None:
+    "The flags of `tmas engines show`."
+    _engine_table_flags(p)
+    p.add_argument('--width', type=int, action='append', default=None, help='also show the choice for a run this wide (repeatable)')
+    p.set_defaults(func=_cmd_show)
+
+def build_llama_cli(p) -> None:
+    "The flags of `tmas engines build-llama`."
     from tmas_nb.llm.llamacpp import LLAMA_CPP_PYTHON
-    p = subparsers.add_parser('engines', help='measure the CPU engines on this machine; `tmas run --backend auto` picks by it',
-                              description='Measure our engine and llama.cpp on this machine so that `--backend auto` '
-                                          'runs each run on the faster one, show the measurements, or build llama-server.')
-    sp = p.add_subparsers(dest='engines_command', metavar='SUBCOMMAND'); sp.required = True
-    c = sp.add_parser('calibrate', help='time each engine at a few widths and save the table')
-    s = sp.add_parser('show', help='print the saved table and what --backend auto picks')
-    for q in (c, s):
-        q.add_argument('--model', default='default', help='a packaged model (default: the default model)')
-        q.add_argument('--threads', type=int, default=None, help='CPU threads per engine (default: every core); runs use the table of their own thread count')
-    c.add_argument('--widths', default=','.join(map(str, WIDTHS)), help='requests in flight to measure at (default 1,8,64)')
-    c.add_argument('--max-new-tokens', dest='max_new_tokens', type=int, default=32, help='tokens per request (default 32)')
-    c.add_argument('--engines', default=None, help=f"comma-separated subset of {', '.join(CPU_ENGINES)}")
-    c.set_defaults(func=_cmd_calibrate)
-    s.add_argument('--width', type=int, action='append', default=None, help='also show the choice for a run this wide (repeatable)')
-    s.set_defaults(func=_cmd_show)
-    b = sp.add_parser('build-llama', help="build llama-server from llama-cpp-python's sources into ~/.cache/tmas_nb/llama.cpp")
-    b.add_argument('--version', default=LLAMA_CPP_PYTHON, help=f'llama-cpp-python release (default {LLAMA_CPP_PYTHON})')
-    b.add_argument('--jobs', type=int, default=None, help='parallel compile jobs (default: every core)')
-    b.add_argument('--quiet', action='store_true', help='no progress bar')
-    b.set_defaults(func=_cmd_build)
+    p.add_argument('--version', default=LLAMA_CPP_PYTHON, help=f'llama-cpp-python release (default {LLAMA_CPP_PYTHON})')
+    p.add_argument('--jobs', type=int, default=None, help='parallel compile jobs (default: every core)')
+    p.add_argument('--quiet', action='store_true', help='no progress bar')
+    p.set_defaults(func=_cmd_build)
+

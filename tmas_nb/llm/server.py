@@ -9,12 +9,13 @@ from collections import deque
 from dataclasses import dataclass
 
 from .core import LLM, Request, Completion
+from ..settings import deprecated_alias
 
 # %% auto #0
 __all__ = ['MAX_STOPS', 'ServerLimits', 'BadRequest', 'parse_chat_request', 'completion_response', 'raw_prompt',
            'parse_completion_request', 'text_completion_response', 'prompt_fits', 'tokenize_body', 'detokenize_body',
            'read_json', 'bearer_ok', 'is_loopback', 'check_exposure', 'LoopbackHostsOnly', 'Admission',
-           'generate_isolated', 'ClientGone', 'unless_disconnected', 'create_app', 'serve', 'ServerThread', 'add_cli']
+           'generate_isolated', 'ClientGone', 'unless_disconnected', 'create_app', 'serve', 'ServerThread', 'serve_cli']
 
 # %% ../../nbs/15_llm_server.ipynb #0f7aeb96
 @dataclass
@@ -588,21 +589,21 @@ def _serve_command(args) -> int:
     from tmas_nb.llm.core import load_llm
     api_key = args.api_key or os.environ.get('TMAS_API_KEY') or None
     check_exposure(args.host, api_key, args.allow_unauthenticated)
-    if args.engine == 'llama.cpp':
+    if args.backend == 'llama.cpp':
         from tmas_nb.llm.llamacpp import serve_llamacpp
-        return serve_llamacpp(args.model, host=args.host, port=args.port, api_key=api_key, threads=args.num_threads,
-                              n_parallel=args.max_batch_size, served_model_name=args.served_model_name)
-    if args.engine != 'transformers':
-        raise ValueError(f"--engine {args.engine!r} is unknown; use 'transformers' or 'llama.cpp'")
+        return serve_llamacpp(args.model, host=args.host, port=args.port, api_key=api_key, threads=args.threads,
+                              n_parallel=args.max_batch_size, served_model_name=args.served_model)
+    if args.backend != 'transformers':
+        raise ValueError(f"--backend {args.backend!r} is unknown; use 'transformers' or 'llama.cpp'")
     _limits_from_args(args)              # bad limits fail before the model is loaded
-    kw = {k: v for k, v in dict(device=args.device, num_threads=args.num_threads, dtype=args.dtype,
+    kw = {k: v for k, v in dict(device=args.device, num_threads=args.threads, dtype=args.dtype,
                                 max_batch_size=args.max_batch_size, quantize=args.quantize).items() if v is not None}
     sock = _bind(args.host, args.port)   # a taken port fails at once, not after the model has loaded
     t0 = time.perf_counter()
     print(f'tmas serve: loading {args.model} ...', file=sys.stderr, flush=True)
     try: llm = load_llm(args.model, backend='transformers', **kw)
     except BaseException: sock.close(); raise
-    name, limits = args.served_model_name or args.model, _limits_from_args(args, llm)
+    name, limits = args.served_model or args.model, _limits_from_args(args, llm)
     print(f'tmas serve: {name} ready in {time.perf_counter() - t0:.1f}s at http://{args.host}:{args.port}/v1 '
           f'(n <= {limits.max_n}, max_tokens <= {limits.max_tokens}, context {limits.context}, queue {limits.max_queue})',
           file=sys.stderr, flush=True)
@@ -614,17 +615,16 @@ def _serve_command(args) -> int:
     return 0
 
 # %% ../../nbs/15_llm_server.ipynb #477f04f0
-def add_cli(subparsers):
-    "Add `tmas serve`."
-    p = subparsers.add_parser('serve', help='serve a model as an OpenAI-compatible chat server',
-                              description='Load a model and serve it at /v1/chat/completions and /v1/completions (in this process, '
-                                          'or with llama-server for --engine llama.cpp).')
+def serve_cli(p) -> None:
+    "The flags of `tmas serve`."
     p.add_argument('--model', default='default', help="packaged model name ('default', 'smollm2'), hub id or local folder")
     p.add_argument('--host', default='127.0.0.1', help='address to listen on (0.0.0.0 for all interfaces)')
     p.add_argument('--port', type=int, default=8000, help='port to listen on')
-    p.add_argument('--served-model-name', default=None, help='model name clients use (default: --model)')
+    p.add_argument('--served-model', default=None, help='model name clients use (default: --model)')
+    deprecated_alias(p, '--served-model-name', '--served-model', 'served_model')
     p.add_argument('--device', default=None, help="'cpu', 'cuda', ... (default: GPU when available)")
-    p.add_argument('--num-threads', type=int, default=None, help='CPU threads for torch')
+    p.add_argument('--threads', type=int, default=None, help='CPU threads of the engine (default: every core)')
+    deprecated_alias(p, '--num-threads', '--threads', 'threads', type=int)
     p.add_argument('--dtype', default=None, choices=['float32', 'bfloat16', 'float16'],
                    help='weight dtype (default: float32 on CPU, bfloat16 on GPU; bfloat16 is ~2x faster on CPUs with avx512_bf16)')
     p.add_argument('--quantize', default=None, choices=['int8'],
@@ -646,7 +646,8 @@ def add_cli(subparsers):
                    help='require "Authorization: Bearer KEY" on /v1 routes (default: $TMAS_API_KEY; none: no check)')
     p.add_argument('--allow-unauthenticated', action='store_true',
                    help='allow a --host beyond loopback without an API key')
-    p.add_argument('--engine', default='transformers', choices=['transformers', 'llama.cpp'],
+    p.add_argument('--backend', default='transformers', choices=['transformers', 'llama.cpp'],
                    help="'transformers' (this process) or 'llama.cpp' (runs llama-server on the model's GGUF file)")
+    deprecated_alias(p, '--engine', '--backend', 'backend')
     p.add_argument('--log-level', default='warning', help='uvicorn log level')
     p.set_defaults(func=_serve_command)

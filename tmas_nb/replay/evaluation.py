@@ -16,10 +16,12 @@ from ..core import data_dir as _data_dir, find_data_dir
 from .store import ReplayStore, load_store, available_stores, MODELS, DATASETS
 from .environment import ReplayEnv
 from .controllers import Controller, parse_controller, check_fits_store
+from ..settings import SandboxSettings, add_settings, deprecated_alias, renamed_flag, resolve
 
 # %% auto #0
 __all__ = ['PAPER_AIME24', 'TABLE_SUFFIXES', 'EvalResult', 'bootstrap_ci', 'evaluate', 'table_controllers', 'standard_grid',
-           'load_reference', 'canonical_spec', 'table_path', 'run_grid', 'write_table', 'trace_episodes', 'add_cli']
+           'load_reference', 'canonical_spec', 'table_path', 'run_grid', 'write_table', 'trace_episodes', 'eval_cli',
+           'grid_cli']
 
 # %% ../../nbs/05_replay_evaluation.ipynb #4686ccdc
 @dataclass
@@ -203,11 +205,7 @@ def trace_episodes(controller: Controller | str, store: ReplayStore, seeds=range
 def _file_args(args, configs) -> dict:
     "Check the --controller-file options; returns the keyword arguments of `evaluate_file`."
     if not args.controller_class: raise ValueError("--controller-file needs --controller-class NAME (the class in the file)")
-    if args.timeout <= 0: raise ValueError("--timeout must be > 0 seconds")
-    if args.memory_mb < 64: raise ValueError("--memory-mb must be at least 64")
-    if args.jobs is not None and args.jobs < 1: raise ValueError("--jobs must be >= 1")
-    return dict(api=args.api, timeout=args.timeout, memory_mb=args.memory_mb, jobs=args.jobs or 1,
-                sandbox=not args.no_sandbox, stateless=args.stateless)
+    return resolve(SandboxSettings, args=args).evaluate_kw()
 
 def _json_option(text, name, want):
     try: v = json.loads(text)
@@ -222,10 +220,10 @@ def _cmd_eval_file(args) -> int:
     if args.trace: raise ValueError("--trace works with --controller SPEC only, not with --controller-file")
     kw = _file_args(args, None)
     cfg = _json_option(args.controller_config, '--controller-config', dict) if args.controller_config else {}
-    st = load_store(args.model, args.dataset, args.data_dir)
+    st = load_store(args.model, args.benchmark, args.data_dir)
     d = evaluate_file(args.controller_file, args.controller_class, cfg, st, range(args.seeds), **kw)
     if d['error']: raise ControllerError(d['error'])
-    d = {k: v for k, v in d.items() if not k.startswith('per_question')}; d.update(model=args.model, dataset=args.dataset)
+    d = {k: v for k, v in d.items() if not k.startswith('per_question')}; d.update(model=args.model, dataset=args.benchmark)
     if args.json: print(json.dumps(d))
     else: print(f"{d['controller']} on {d['store']}: accuracy {d['acc']:.2f}% [{d['ci_low']:.1f}, {d['ci_high']:.1f}], "
                 f"{d['avg_tokens'] / 1000:.1f}k tokens per question ({d['seeds']} seeds, {d['api']} API, sandbox: {d['sandbox']})")
@@ -239,11 +237,11 @@ def _cmd_eval(args) -> int:
     if args.jobs is not None: raise ValueError("--jobs applies to --controller-file only")
     try: ctrl = parse_controller(args.controller)
     except ValueError as e: raise ValueError(f"--controller: {e}") from None
-    st = load_store(args.model, args.dataset, args.data_dir)
+    st = load_store(args.model, args.benchmark, args.data_dir)
     try: check_fits_store(ctrl, st)
     except ValueError as e: raise ValueError(f"--controller: {e}") from None
-    r = evaluate(ctrl, st, range(args.seeds), progress=not args.json)
-    d = r.to_dict(); d.update(model=args.model, dataset=args.dataset)
+    r = evaluate(ctrl, st, range(args.seeds), progress=not (args.json or args.quiet))
+    d = r.to_dict(); d.update(model=args.model, dataset=args.benchmark)
     if args.trace:
         write_table(trace_episodes(ctrl, st, range(args.trace_seeds)), args.trace)
         d['trace'] = str(args.trace)
@@ -262,66 +260,64 @@ def _cmd_grid(args) -> int:
         if not args.controller_configs: raise ValueError("--controller-file needs --controller-configs JSON_LIST, e.g. '[{\"beta\": 0.5}]'")
         configs = _json_option(args.controller_configs, '--controller-configs', list)
         root = str(_data_dir(args.data_dir)); have = set(available_stores(root))
-        pairs = [(m, d) for m in (args.models.split(',') if args.models else MODELS) for d in (args.datasets.split(',') if args.datasets else DATASETS)]
+        pairs = [(m, d) for m in (args.models.split(',') if args.models else MODELS) for d in (args.benchmarks.split(',') if args.benchmarks else DATASETS)]
         missing = [f"{m}/{d}" for m, d in pairs if (m, d) not in have]
         if missing: raise FileNotFoundError(f"replay stores missing under {root}/autotts_replay: {', '.join(missing)}")
         df = evaluate_file_grid(args.controller_file, args.controller_class, configs, [load_store(m, d, root) for m, d in pairs],
-                                range(args.seeds), progress=True, **kw)
+                                range(args.seeds), progress=not args.quiet, **kw)
         write_table(df, args.out)
         print(f"{len(df)} results ({int(df.error.notna().sum())} errors) in {time.perf_counter() - t:.1f} s -> {args.out}")
         return 0
     specs = [s.strip() for s in args.controllers.split(';')] if args.controllers else None
     df = run_grid(args.data_dir, args.models.split(',') if args.models else None,
-                  args.datasets.split(',') if args.datasets else None, specs, range(args.seeds), args.jobs)
+                  args.benchmarks.split(',') if args.benchmarks else None, specs, range(args.seeds), args.jobs,
+                  progress=not args.quiet)
     write_table(df, args.out)
     print(f"{len(df)} results ({df.model.nunique()} models × {df.dataset.nunique()} datasets × {df.spec.nunique()} controllers) "
           f"in {time.perf_counter() - t:.1f} s -> {args.out}")
     return 0
 
-def _add_file_options(p, jobs=True) -> None:
-    p.add_argument('--controller-class', default=None, metavar='NAME', help='class to evaluate in --controller-file')
-    p.add_argument('--api', default='auto', choices=['auto', 'ours', 'authors'], help='controller API (default: detected from the class)')
-    p.add_argument('--timeout', type=float, default=60.0, metavar='S', help='wall-clock seconds per configuration (default 60)')
-    p.add_argument('--memory-mb', type=int, default=2048, metavar='N', help='address-space limit of the sandboxed child (default 2048)')
-    if jobs: p.add_argument('--jobs', type=int, default=None, metavar='N', help='sandboxed children splitting the seeds (file controllers; default 1)')
-    p.add_argument('--stateless', action='store_true', help="an authors'-API class keeps no state between questions: seeds may be split over --jobs")
-    p.add_argument('--no-sandbox', action='store_true', help='run the file without the sandbox (trusted files only)')
+_DATA_DIR_HELP = ('data folder, or its autotts_replay/ folder (default: $TMAS_DATA_DIR, ../shared/data, then the user data '
+                  'folder that `tmas data fetch` fills)')
 
-def add_cli(sub) -> None:
-    "Add the `replay` command group to the `tmas` parser."
-    p = sub.add_parser('replay', help='AutoTTS offline replay environment: evaluate width-depth controllers without LLM calls')
-    rs = p.add_subparsers(dest='replay_command', metavar='SUBCOMMAND'); rs.required = True
-    e = rs.add_parser('eval', help='evaluate one controller on one replay store (authors\' protocol)',
-                      description='Evaluate one controller on one store. SPEC examples: sc:k=64, asc:max_samples=64,threshold=0.95, '
-                                  'esc:max_samples=64,window=8, pp:num_chains=64, cmc:beta=0.5')
-    e.add_argument('--data-dir', default=None, help='data folder, or its autotts_replay/ folder (default: $TMAS_DATA_DIR, ../shared/data, then the user data folder that `tmas data fetch` fills)')
-    e.add_argument('--model', required=True, help=f"model folder, e.g. {', '.join(MODELS)}")
-    e.add_argument('--dataset', required=True, help=f"dataset file stem, e.g. {', '.join(DATASETS)}")
-    src = e.add_mutually_exclusive_group(required=True)
+def _add_file_options(p, jobs: bool = True) -> None:
+    "The controller-file flags: the class to load, and the sandbox's settings (`SandboxSettings`)."
+    p.add_argument('--controller-class', default=None, metavar='NAME', help='class to evaluate in --controller-file')
+    add_settings(p, SandboxSettings, skip=() if jobs else ('jobs',), title='controller files (sandboxed)')
+
+def eval_cli(p) -> None:
+    "The flags of `tmas replay eval`."
+    p.add_argument('--data-dir', default=None, help=_DATA_DIR_HELP)
+    p.add_argument('--model', required=True, help=f"model folder, e.g. {', '.join(MODELS)}")
+    renamed_flag(p, '--benchmark', '--dataset', required=True, help=f"benchmark (store file stem), e.g. {', '.join(DATASETS)}")
+    src = p.add_mutually_exclusive_group(required=True)
     src.add_argument('--controller', metavar='SPEC', help='controller spec, e.g. cmc:beta=0.5')
     src.add_argument('--controller-file', metavar='FILE', help='a Python file with a controller class (ours: run(env); authors\' API: solve(question)); runs sandboxed')
-    e.add_argument('--seeds', type=int, default=100, help='number of seeds (branch orders), 0..N-1 (default 100)')
-    e.add_argument('--trace', default=None, metavar='FILE', help='also write a columnar step trace (.parquet or .csv)')
-    e.add_argument('--trace-seeds', type=int, default=1, help='seeds to trace, 1..--seeds (default 1)')
-    e.add_argument('--json', action='store_true', help='print one JSON object')
-    _add_file_options(e)
-    e.add_argument('--controller-config', default=None, metavar='JSON', help='parameters of the file\'s class, e.g. \'{"beta": 0.5}\'')
-    e.set_defaults(func=_cmd_eval)
-    g = rs.add_parser('grid', help='run the standard controller grid on all stores',
-                      description='ASC, ESC, SC, Parallel-Probe and CMC sweeps (34 configurations) on every model × dataset store.')
-    g.add_argument('--data-dir', default=None, help='data folder, or its autotts_replay/ folder (default: $TMAS_DATA_DIR, ../shared/data, then the user data folder that `tmas data fetch` fills)')
-    g.add_argument('--out', required=True, help='output file (.parquet or .csv)')
-    g.add_argument('--jobs', type=int, default=None, help='worker processes (default: all cores)')
-    g.add_argument('--seeds', type=int, default=100, help='number of seeds (default 100)')
-    g.add_argument('--models', default=None, help='comma-separated subset of models')
-    g.add_argument('--datasets', default=None, help='comma-separated subset of datasets')
-    g.add_argument('--controllers', default=None, help="semicolon-separated specs instead of the standard grid")
-    g.add_argument('--controller-file', default=None, metavar='FILE', help='evaluate a controller file instead of built-ins (sandboxed)')
-    _add_file_options(g, jobs=False)
-    g.add_argument('--controller-configs', default=None, metavar='JSON_LIST', help='configurations of the file\'s class, e.g. \'[{"beta": 0}, {"beta": 0.5}]\'')
-    g.set_defaults(func=_cmd_grid)
-    from tmas_nb.replay.build import add_build_cli
-    add_build_cli(rs)
+    p.add_argument('--seeds', type=int, default=100, help='number of seeds (branch orders), 0..N-1 (default 100)')
+    p.add_argument('--trace', default=None, metavar='FILE', help='also write a columnar step trace (.parquet or .csv)')
+    p.add_argument('--trace-seeds', type=int, default=1, help='seeds to trace, 1..--seeds (default 1)')
+    p.add_argument('--json', action='store_true', help='print one JSON object')
+    p.add_argument('--quiet', action='store_true', help='no progress bar')
+    _add_file_options(p)
+    p.add_argument('--controller-config', default=None, metavar='JSON', help='parameters of the file\'s class, e.g. \'{"beta": 0.5}\'')
+    p.set_defaults(func=_cmd_eval)
+
+def grid_cli(p) -> None:
+    "The flags of `tmas replay grid`."
+    p.add_argument('--data-dir', default=None, help=_DATA_DIR_HELP)
+    p.add_argument('--out', required=True, help='output file (.parquet or .csv)')
+    p.add_argument('--jobs', type=int, default=None, help='worker processes (default: all cores)')
+    p.add_argument('--seeds', type=int, default=100, help='number of seeds (default 100)')
+    p.add_argument('--models', default=None, help='comma-separated subset of models')
+    p.add_argument('--benchmarks', default=None, help='comma-separated subset of benchmarks (store file stems)')
+    deprecated_alias(p, '--datasets', '--benchmarks', 'benchmarks')
+    p.add_argument('--controllers', default=None, help="semicolon-separated specs instead of the standard grid")
+    p.add_argument('--controller-file', default=None, metavar='FILE', help='evaluate a controller file instead of built-ins (sandboxed)')
+    p.add_argument('--quiet', action='store_true', help='no progress bar')
+    _add_file_options(p, jobs=False)
+    p.add_argument('--controller-configs', default=None, metavar='JSON_LIST', help='configurations of the file\'s class, e.g. \'[{"beta": 0}, {"beta": 0.5}]\'')
+    p.set_defaults(func=_cmd_grid)
+
 
 # %% ../../nbs/05_replay_evaluation.ipynb #bd7399a1
 def _check_trace_args(args) -> None:
