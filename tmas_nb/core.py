@@ -4,12 +4,14 @@
 
 # %% ../nbs/00_core.ipynb #ea9c8d9b
 from __future__ import annotations
-import hashlib, os, json, tempfile
+import fcntl, hashlib, math, os, json, stat, tempfile, time
+from contextlib import contextmanager
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['DATA_HINT', 'repo_root', 'user_data_dir', 'find_data_dir', 'data_dir', 'fetch_hint', 'atomic_write_bytes',
-           'atomic_write_text', 'atomic_write_json', 'sha256_file']
+__all__ = ['DATA_HINT', 'LOCK_FILE', 'repo_root', 'user_data_dir', 'check_data_folder', 'find_data_dir', 'data_dir', 'fetch_hint',
+           'file_mode', 'atomic_write_bytes', 'atomic_write_text', 'atomic_write_json', 'sha256_file', 'json_ready',
+           'FolderInUse', 'in_use_message', 'lock_holder', 'folder_lock']
 
 # %% ../nbs/00_core.ipynb #e9ebc090
 DATA_HINT = ("Get the AutoTTS replay stores with `tmas data fetch autotts` (or everything public with "
@@ -36,17 +38,20 @@ def _shared_data_dir() -> Path | None:
     if os.environ.get('TMAS_NO_SHARED_DATA', '') not in ('', '0'): return None
     return repo_root().parent / 'shared' / 'data'
 
+def check_data_folder(p: str | os.PathLike, name: str | None = None) -> Path:
+    "`p` as a Path when it is a folder; a file or a missing path is an error (`name`: how it names `p`, default 'data folder P')."
+    p = Path(p).expanduser(); name = name or f"data folder {p}"
+    if p.is_file():
+        raise NotADirectoryError(f"{name} is a file, not a folder; give the folder that holds "
+                                 f"autotts_replay/<model>/<dataset>.json and benchmarks/")
+    if not p.is_dir(): raise FileNotFoundError(f"{name} does not exist. {DATA_HINT}")
+    return p
+
 def find_data_dir(path: str | os.PathLike | None = None) -> Path | None:
     "The data folder: `path`, else `$TMAS_DATA_DIR`, else `../shared/data`, else the user data folder; None if none exists."
-    if path is not None:
-        p = Path(path).expanduser()
-        if not p.is_dir(): raise FileNotFoundError(f"data folder {p} does not exist. {DATA_HINT}")
-        return p
+    if path is not None: return check_data_folder(path)
     env = os.environ.get('TMAS_DATA_DIR')
-    if env:
-        p = Path(env).expanduser()
-        if not p.is_dir(): raise FileNotFoundError(f"TMAS_DATA_DIR={env} is not a folder. {DATA_HINT}")
-        return p
+    if env: return check_data_folder(env, f'TMAS_DATA_DIR={env}')
     for p in (_shared_data_dir(), user_data_dir()):
         if p is not None and p.is_dir(): return p
     return None
@@ -66,11 +71,27 @@ def fetch_hint(relpath: str) -> str:
     return _hint(relpath)
 
 # %% ../nbs/00_core.ipynb #644e952d
+def _umask() -> int:
+    "The process's umask, read without changing it where the system tells it (Linux), else by setting and restoring it."
+    try:
+        for line in Path('/proc/self/status').read_text().splitlines():
+            if line.startswith('Umask:'): return int(line.split()[1], 8)
+    except (OSError, ValueError): pass
+    m = os.umask(0o022); os.umask(m)
+    return m
+
+def file_mode(path: str | os.PathLike) -> int:
+    "The permission bits `open(path, 'w')` would leave: those of the file when it exists, else 0o666 less the umask."
+    try: return stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError: return 0o666 & ~_umask()
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    "Write `data` to `path` atomically (temporary file, fsync, rename)."
+    "Write `data` to `path` atomically (temporary file, fsync, rename), with the permission bits `open()` would give."
     path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
+    mode = file_mode(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f'.{path.name}.', suffix='.tmp')
     try:
+        os.fchmod(fd, mode)   # mkstemp makes 0600 files; a run folder should be as readable as any other file
         with os.fdopen(fd, 'wb') as f:
             f.write(data); f.flush(); os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -94,3 +115,86 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     with open(path, 'rb') as f:
         while b := f.read(chunk): h.update(b)
     return h.hexdigest()
+
+# %% ../nbs/00_core.ipynb #fca65005
+def json_ready(obj):
+    "`obj` with every NaN or infinite float (in dicts, lists and tuples, at any depth) replaced by None."
+    if isinstance(obj, float): return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict): return {k: json_ready(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)): return [json_ready(v) for v in obj]
+    if hasattr(obj, 'item') and callable(obj.item) and getattr(obj, 'ndim', None) == 0: return json_ready(obj.item())   # numpy scalars
+    return obj
+
+# %% ../nbs/00_core.ipynb #9b555902
+LOCK_FILE = '.lock'
+"The file of a folder that its writer holds locked and that names the writer's PID."
+
+class FolderInUse(ValueError):
+    "Another live process writes into the folder."
+
+_HELD: dict[str, int] = {}   # the folders (resolved) this process holds locked -> the lock file's descriptor
+
+def _forget_inherited_locks():
+    "In a forked child: close the inherited descriptors, so that a lock ends with the process that took it."
+    for fd in _HELD.values():
+        try: os.close(fd)
+        except OSError: pass
+    _HELD.clear()
+
+os.register_at_fork(after_in_child=_forget_inherited_locks)
+
+def _read_pid(path: Path) -> int | None:
+    try: text = Path(path).read_text().strip()
+    except OSError: return None
+    return int(text) if text.isdigit() else None
+
+def in_use_message(folder, pid: int | None, what: str = 'run folder') -> str:
+    "The one-line error for a folder whose lock process `pid` holds."
+    who = f"process {pid}" if pid else "another process"
+    return (f"{folder}: this {what} is in use by {who} (it holds {Path(folder) / LOCK_FILE}); wait for it to finish "
+            f"or stop it, or use another --out folder")
+
+# %% ../nbs/00_core.ipynb #9585c723
+def lock_holder(folder) -> int | None:
+    "The PID of the live process holding `folder`'s lock (this process's own when it holds it), or None; 0: held, PID unknown."
+    folder = Path(folder)
+    if str(folder.resolve()) in _HELD: return os.getpid()
+    try: fd = os.open(folder / LOCK_FILE, os.O_RDONLY)
+    except (FileNotFoundError, NotADirectoryError): return None
+    try:
+        for _ in range(20):
+            try: fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                pid = _read_pid(folder / LOCK_FILE)
+                if pid: return pid
+                time.sleep(0.05); continue   # the holder has just taken it and not yet written its PID
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return None
+        return 0
+    finally: os.close(fd)
+
+# %% ../nbs/00_core.ipynb #493c2bfc
+@contextmanager
+def folder_lock(folder, what: str = 'run folder'):
+    "Hold `folder`'s lock (created if need be) while the block runs; a lock held by another live process raises `FolderInUse`."
+    folder = Path(folder); folder.mkdir(parents=True, exist_ok=True)
+    key = str(folder.resolve())
+    if key in _HELD:
+        yield folder; return
+    path = folder / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        for attempt in range(10):
+            try: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB); break
+            except BlockingIOError:
+                if attempt == 9: raise FolderInUse(in_use_message(folder, _read_pid(path), what)) from None
+                time.sleep(0.05)   # `lock_holder` in another process may hold it for an instant
+            except OSError as e:
+                raise OSError(f"{path}: cannot be locked ({e.strerror}); put the folder on a local file system") from None
+        os.ftruncate(fd, 0); os.pwrite(fd, f'{os.getpid()}\n'.encode(), 0)
+    except BaseException:
+        os.close(fd); raise
+    _HELD[key] = fd
+    try: yield folder
+    finally:
+        _HELD.pop(key, None); os.close(fd)

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .core import atomic_write_json, atomic_write_text
+from .core import atomic_write_json, atomic_write_text, folder_lock, json_ready
 from .llm.core import LLM, Request, run_sync
 from .replay.store import ReplayStore, load_store, load_store_file
 from .replay.evaluation import evaluate, table_controllers
@@ -272,7 +272,7 @@ def run_round(k: int, out: Path, cfg: DiscoveryConfig, proposer: LLM, critic: LL
     reply = _ask(proposer, PROPOSER_SYSTEM, prompt, cfg.max_new_tokens, cfg.temperature, cfg.seed * 1000 + k, 'proposer')
     atomic_write_text(d / 'response.txt', reply)
     code = extract_code(reply)
-    rec = dict(round=k, status='ok', error=None, digest=None, fingerprint=None, repeat_of=None, lines=0, score=float('nan'), auc={}, betas_ok=0)
+    rec = dict(round=k, status='ok', error=None, digest=None, fingerprint=None, repeat_of=None, lines=0, score=None, auc={}, betas_ok=0)
     df, failures = None, ''
     if code is None: rec.update(status='no_code', error='the reply holds no code block')
     else:
@@ -315,7 +315,7 @@ def run_round(k: int, out: Path, cfg: DiscoveryConfig, proposer: LLM, critic: LL
     notes = _ask(critic, CRITIC_SYSTEM, cprompt, cfg.critic_max_new_tokens, 0.3, cfg.seed * 1000 + k, 'critic')
     atomic_write_text(d / 'critic.txt', notes)
     rec['seconds'] = round(time.time() - t0, 1)
-    atomic_write_json(d / 'round.json', rec)
+    atomic_write_json(d / 'round.json', json_ready(rec), allow_nan=False)
     return rec, df, failures, notes
 
 # %% ../nbs/40_discovery.ipynb #fce5f337
@@ -354,15 +354,19 @@ def heldout_table(code_path: Path, stores: list, cfg: DiscoveryConfig) -> pd.Dat
 def run_discovery(proposer: LLM, cfg: DiscoveryConfig, out, critic: LLM | None = None, data_dir=None,
                   progress: bool = True) -> dict:
     "Run (or resume) a discovery run in folder `out`; returns the summary."
-    from tqdm.auto import tqdm
-    out = Path(out); out.mkdir(parents=True, exist_ok=True)
+    out = Path(out)
     if cfg.rounds < 1: raise ValueError(f"--rounds must be >= 1, got {cfg.rounds}")
     if not cfg.train: raise ValueError("--train: give at least one training store (MODEL:DATASET or a store file)")
     if cfg.seeds < 1: raise ValueError(f"--seeds must be >= 1, got {cfg.seeds}")
     train = [resolve_store(s, data_dir) for s in cfg.train]     # bad store names fail before the folder is claimed
     heldout = [resolve_store(s, data_dir) for s in cfg.heldout]
-    _check_config(out, cfg)
-    critic = critic or proposer
+    with folder_lock(out, 'discovery folder'):
+        _check_config(out, cfg)
+        return _discover(proposer, critic or proposer, cfg, out, train, heldout, progress)
+
+def _discover(proposer: LLM, critic: LLM, cfg: DiscoveryConfig, out: Path, train: list, heldout: list, progress: bool) -> dict:
+    "The rounds `out/rounds.jsonl` lacks, then the held-out table and the summary (the folder's lock is held)."
+    from tqdm.auto import tqdm
     bf = out / 'baselines.csv'
     if bf.exists(): baselines = pd.read_csv(bf)
     else:
@@ -380,8 +384,8 @@ def run_discovery(proposer: LLM, cfg: DiscoveryConfig, out, critic: LLM | None =
     for k in tqdm(range(len(rounds), cfg.rounds), desc='discovery rounds', disable=not progress, initial=len(rounds), total=cfg.rounds):
         rec, df, failures, notes = run_round(k, out, cfg, proposer, critic, train, baselines, rounds, results, failures, notes)
         rounds.append(rec); results[k] = df
-        with open(out / 'rounds.jsonl', 'a') as f: f.write(json.dumps(rec) + '\n')
-    ok = [r for r in rounds if r['status'] == 'ok' and np.isfinite(r['score'])]
+        with open(out / 'rounds.jsonl', 'a') as f: f.write(json.dumps(json_ready(rec), allow_nan=False) + '\n')
+    ok = [r for r in rounds if r['status'] == 'ok' and r['score'] is not None and np.isfinite(r['score'])]
     best = max(ok, key=lambda r: r['score']) if ok else None
     code = out / f"round_{best['round']:03d}" / 'controller.py' if best else None
     hf = out / 'heldout.csv'
@@ -394,7 +398,7 @@ def run_discovery(proposer: LLM, cfg: DiscoveryConfig, out, critic: LLM | None =
                    best_controller=str(code) if code else None,
                    statuses={s: sum(r['status'] == s for r in rounds) for s in ('ok', 'no_code', 'check_failed', 'all_failed')},
                    heldout=str(hf) if heldout else None)
-    atomic_write_json(summ_f, summary)
+    atomic_write_json(summ_f, json_ready(summary), allow_nan=False)
     return summary
 
 # %% ../nbs/40_discovery.ipynb #1448e857
@@ -428,13 +432,14 @@ def _cmd_discover(args) -> int:
     cfg = DiscoveryConfig(rounds=args.rounds, train=split(args.train), heldout=split(args.heldout), proposer=args.proposer,
                           critic=args.critic, seeds=args.seeds, timeout=args.timeout, memory_mb=args.memory_mb,
                           sandbox=not args.no_sandbox, max_new_tokens=args.max_new_tokens, seed=args.seed)
-    out = Path(args.out); out.mkdir(parents=True, exist_ok=True)
-    proposer = CachedLLM(make_llm(args.proposer, args.base_url, args.api_key, args.threads), out)
-    critic = CachedLLM(make_llm(args.critic, args.base_url, args.api_key, args.threads), out) if args.critic else None
-    try: s = run_discovery(proposer, cfg, out, critic=critic, data_dir=args.data_dir)
-    finally:
-        proposer.close()
-        if critic: critic.close()
+    out = Path(args.out)
+    with folder_lock(out, 'discovery folder'):   # before the caches are opened; run_discovery holds it on
+        proposer = CachedLLM(make_llm(args.proposer, args.base_url, args.api_key, args.threads), out)
+        critic = CachedLLM(make_llm(args.critic, args.base_url, args.api_key, args.threads), out) if args.critic else None
+        try: s = run_discovery(proposer, cfg, out, critic=critic, data_dir=args.data_dir)
+        finally:
+            proposer.close()
+            if critic: critic.close()
     print(f"{s['rounds']} rounds ({s['statuses']}); best: round {s['best_round']} score "
           f"{'-' if s['best_score'] is None else format(s['best_score'], '+.2f')}; results in {out}")
     return 0

@@ -8,7 +8,7 @@ import argparse, hashlib, json, os, random, shutil, sys, time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .core import find_data_dir, sha256_file, user_data_dir
+from .core import check_data_folder, find_data_dir, sha256_file, user_data_dir
 
 # %% auto #0
 __all__ = ['RAW_BASE', 'AUTOTTS', 'SUPERHUMAN', 'REGISTRY', 'Source', 'DataFile', 'Dataset', 'resolve_names', 'file_state',
@@ -135,6 +135,10 @@ class ChecksumError(DataFetchError):
 
 class _Retry(Exception): "A failure worth another attempt."
 
+class _WrongSize(Exception):
+    "The server's file is not as long as the pinned one: an error page or a truncated copy, not worth another attempt."
+    def __init__(self, size: int): super().__init__(size); self.size = size
+
 _RETRY_STATUS = {408, 425, 429, 500, 502, 503, 504}
 
 def _one_line(e) -> str: return ' '.join(str(e).split()) or type(e).__name__
@@ -161,6 +165,14 @@ class Downloader:
                             headers={'User-Agent': f'tmas_nb/{__version__}'})
 
 # %% ../nbs/18_data_fetch.ipynb #9b215304
+def _declared_size(r, offset: int) -> int | None:
+    "The length of the whole file as a response declares it (Content-Range's total, else offset + Content-Length); None if unknown."
+    if r.headers.get('content-encoding', 'identity').lower() not in ('identity', ''): return None   # lengths of compressed bytes
+    total = r.headers.get('content-range', '').rpartition('/')[2].strip()
+    if r.status_code == 206 and total.isdigit(): return int(total)
+    n = r.headers.get('content-length', '').strip()
+    return (offset if r.status_code == 206 else 0) + int(n) if n.isdigit() else None
+
 def _get(client, url: str, part: Path, offset: int, size: int | None = None, bar=None) -> None:
     "One GET of `url` into `part`, continuing from byte `offset` when the server honours the range; `size` bytes expected."
     import httpx
@@ -175,6 +187,8 @@ def _get(client, url: str, part: Path, offset: int, size: int | None = None, bar
         append = offset > 0 and r.status_code == 206
         if append and not r.headers.get('content-range', '').startswith(f'bytes {offset}-'):
             part.unlink(missing_ok=True); raise _Retry(f"unexpected Content-Range {r.headers.get('content-range')!r}")
+        declared = _declared_size(r, offset)
+        if size is not None and declared is not None and declared != size: raise _WrongSize(declared)
         if offset and not append and bar is not None: bar.update(-offset)   # the whole file again
         part.parent.mkdir(parents=True, exist_ok=True)
         with open(part, 'ab' if append else 'wb') as f:
@@ -183,7 +197,7 @@ def _get(client, url: str, part: Path, offset: int, size: int | None = None, bar
                 if bar is not None: bar.update(len(chunk))
             f.flush(); os.fsync(f.fileno())
     n = part.stat().st_size
-    if size is not None and n < size: raise _Retry(f"the connection closed after {n} of {size} bytes")
+    if size is not None and n < size: raise _WrongSize(n)   # ended cleanly, short: a cut with a declared length raises above
 
 # %% ../nbs/18_data_fetch.ipynb #34fd4c6f
 def _download(self: Downloader, url: str, dest, size: int | None = None, sha256: str | None = None, client=None, bar=None) -> Path:
@@ -200,6 +214,12 @@ def _download(self: Downloader, url: str, dest, size: int | None = None, sha256:
             if size is None or offset < size:
                 resumed |= offset > 0
                 try: _get(client, url, part, offset, size, bar)
+                except _WrongSize as e:
+                    if bar is not None and part.exists(): bar.update(-part.stat().st_size)
+                    part.unlink(missing_ok=True)
+                    raise ChecksumError(f"{url}: the server's file is {e.size} bytes long, but {dest} is pinned to {size} bytes "
+                                        f"(an error page or a truncated copy); nothing was kept. Fetch from a server that holds "
+                                        f"the pinned version (--base-url) or from a local copy (--from)") from None
                 except (_Retry, httpx.TransportError) as e:
                     grown = part.exists() and part.stat().st_size > offset
                     attempt, tries = (1 if grown else attempt + 1), tries + 1
@@ -254,7 +274,7 @@ def copy_verified(src, dest, f: DataFile) -> Path:
 
 def make_mirror(out, names=('all',), data_dir=None, copy: bool = False, registry: dict[str, Dataset] | None = None) -> list[Path]:
     "Lay out the verified files of `names` from `data_dir` as `<out>/<owner>/<repo>/<commit>/<path>` (symlinks unless `copy`)."
-    root = Path(data_dir) if data_dir is not None else find_data_dir()
+    root = check_data_folder(data_dir) if data_dir is not None else find_data_dir()
     if root is None: raise FileNotFoundError("make_mirror: no data folder to mirror; pass data_dir")
     made = []
     for ds in resolve_names(names, registry):
@@ -320,6 +340,7 @@ def fetch_command(ds: Dataset) -> str:
 def list_datasets(data_dir=None, registry: dict[str, Dataset] | None = None) -> list[dict]:
     "One row per data set: name, title, files, bytes, licence, source, status (checked in `data_dir`), command, note."
     root = Path(data_dir).expanduser() if data_dir is not None else (find_data_dir() or user_data_dir())
+    if root.is_file(): check_data_folder(root)   # a file where the folder belongs: say so rather than list it as empty
     rows = []
     for ds in (REGISTRY if registry is None else registry).values():
         states = [file_state(root, f) for f in ds.files]

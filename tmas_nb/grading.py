@@ -4,7 +4,7 @@
 
 # %% ../nbs/16_grading.ipynb #8b32872a
 from __future__ import annotations
-import argparse, json, logging, multiprocessing, os, re, sys, threading, unicodedata
+import argparse, functools, json, logging, math, multiprocessing, os, re, sys, threading, unicodedata
 import multiprocessing.util
 from concurrent.futures import CancelledError, ProcessPoolExecutor, TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
@@ -12,10 +12,11 @@ from dataclasses import dataclass, asdict
 from .llm.core import split_thinking, TRUNCATED_NOTE
 
 # %% auto #0
-__all__ = ['MAX_PARTS', 'DEFAULT_TIMEOUT', 'JUDGE_PROMPT', 'JUDGE_MAX_CHARS', 'extract_answer_detail', 'extract_answer',
-           'clean_answer', 'answer_kind', 'normalize_text', 'text_equal', 'choice_equal', 'split_parts',
-           'math_equal_job', 'start_pool', 'shutdown_pool', 'GradeResult', 'grade_many_detail', 'grade_many',
-           'grade_detail', 'grade', 'parse_verdict', 'judge_messages', 'judge', 'pass_at_1', 'add_cli']
+__all__ = ['MAX_LOG_CHARS', 'MAX_PARTS', 'DEFAULT_TIMEOUT', 'JUDGE_PROMPT', 'JUDGE_MAX_CHARS', 'extract_answer_detail',
+           'extract_answer', 'clean_answer', 'answer_kind', 'normalize_text', 'text_equal', 'choice_equal',
+           'split_parts', 'math_equal_job', 'start_pool', 'shutdown_pool', 'check_timeout', 'GradeResult',
+           'grade_many_detail', 'grade_many', 'grade_detail', 'grade', 'parse_verdict', 'judge_messages', 'judge',
+           'pass_at_1', 'add_cli']
 
 # %% ../nbs/16_grading.ipynb #290e9f49
 _BOX_CMD = re.compile(r'\\(?:boxed|fbox)(?![A-Za-z])')
@@ -187,7 +188,21 @@ def _plain_number(s: str) -> str:
     return t.replace(',', '') if re.fullmatch(r'-?\d{1,3}(?:,\d{3})+(?:\.\d+)?', t) else s
 
 # %% ../nbs/16_grading.ipynb #2f29dd18
+MAX_LOG_CHARS = 200
+"Longest message math-verify may log; it quotes the whole expression when parsing times out."
+
+class _Excerpt(logging.Filter):
+    "Shorten a log message that quotes a whole (possibly huge) answer to its first `MAX_LOG_CHARS` characters."
+    def filter(self, record):
+        msg = record.getMessage()
+        if len(msg) > MAX_LOG_CHARS: record.msg, record.args = f"{msg[:MAX_LOG_CHARS]}... ({len(msg):,} characters)", ()
+        return True
+
+for _name in ('math_verify.parser', 'math_verify.grader'): logging.getLogger(_name).addFilter(_Excerpt())
+
+@functools.lru_cache(maxsize=64)
 def _mv_parse(s: str, timeout: int):
+    "math-verify's parse of `$s$`, remembered: a job asks for the same expression twice (and a timeout costs seconds)."
     from math_verify import parse
     return parse(f'${s}$', parsing_timeout=timeout)
 
@@ -318,6 +333,14 @@ def _run_math_jobs(jobs: list[tuple[str, str]], timeout: float, progress: bool =
     if bar is not None: bar.update(len(jobs) - bar.n); bar.close()
     return results
 
+# %% ../nbs/16_grading.ipynb #03e8abb1
+def check_timeout(timeout, name: str = 'timeout') -> float:
+    "`timeout` as float seconds when it is a finite number above 0; else an error naming `name` (e.g. '--timeout')."
+    try: t = float(timeout)
+    except (TypeError, ValueError): raise ValueError(f"{name} {timeout!r}: give a number of seconds greater than 0") from None
+    if not (math.isfinite(t) and t > 0): raise ValueError(f"{name} {t:g}: give a number of seconds greater than 0")
+    return t
+
 # %% ../nbs/16_grading.ipynb #de3187b8
 @dataclass
 class GradeResult:
@@ -343,15 +366,22 @@ def _prepare(prediction_text, gold, finish_reason, extract_truncated=False):
         return GradeResult(text_equal(pred, g), ans, method, g, kind, 'prose prediction'), None
     return GradeResult(False, ans, method, g, kind, ''), (g.replace('$', ' '), pred.replace('$', ' '))
 
+_UNIT = re.compile(r'(?:\\(?:text|mbox|mathrm)\s*\{[^{}]*\}|[A-Za-z]{2,}[A-Za-z ]*)\s*')
+
 def _strip_unit(pred: str) -> str:
-    "`210 \\text{ minutes}` or `54 square cm` as `210`, `54`: drop trailing words after a number."
-    m = re.fullmatch(r'(.*?\d[^A-Za-z\\]*?)\s*(?:\\(?:text|mbox|mathrm)\s*\{[^{}]*\}|[A-Za-z]{2,}[A-Za-z ]*)\s*', pred)
-    if m and not _prose_words(m.group(1)) and not re.search(r'[A-Za-z]', m.group(1)): return m.group(1).strip()
-    return pred
+    "`210 \\text{ minutes}` or `54 square cm` as `210`, `54`: drop trailing words after a number (in time linear in the length)."
+    first = re.search(r'[A-Za-z]', pred)
+    if not first: return pred
+    i = first.start() - (first.start() > 0 and pred[first.start() - 1] == '\\')   # the unit starts at the first letter (or its `\\`)
+    head, unit = pred[:i], pred[i:]
+    digits = [k for k, c in enumerate(head) if c.isdecimal()]
+    if not digits or '\\' in head[digits[-1]:] or not _UNIT.fullmatch(unit) or _prose_words(head): return pred
+    return head.strip()
 
 def grade_many_detail(preds, golds, finish_reasons=None, timeout: float = DEFAULT_TIMEOUT, progress: bool | None = None,
                       extract_truncated: bool = False) -> list[GradeResult]:
     "`GradeResult` for every `(prediction_text, gold)` pair; math comparisons run in parallel in the pool."
+    timeout = check_timeout(timeout)
     preds, golds = list(preds), list(golds)
     if len(preds) != len(golds): raise ValueError(f"grade_many: {len(preds)} predictions but {len(golds)} reference answers")
     frs = [None] * len(preds) if finish_reasons is None else list(finish_reasons)
@@ -447,6 +477,7 @@ def pass_at_1(correct) -> float:
 
 # %% ../nbs/16_grading.ipynb #920aa355
 def _cmd_grade(args) -> int:
+    check_timeout(args.timeout, '--timeout')
     pred = sys.stdin.read() if args.pred == '-' else args.pred
     r = grade_detail(pred, args.gold, finish_reason=args.finish_reason, timeout=args.timeout,
                      extract_truncated=args.answer_from_truncated)

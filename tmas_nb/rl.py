@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, asdict
 from pathlib import Path
 from typing import Any, Sequence
 
-from .core import atomic_write_json
+from .core import atomic_write_json, folder_lock
 from .rewards import (HALVES, STRATEGY_INSTRUCTION, CorrectnessReward, ExperienceUtilizationReward, NoveltyReward,
                              CosineNoveltyJudge, consecutive_groups, experience_utilization_rewards)
 
@@ -67,6 +67,7 @@ def rows_from_runs(run_dirs: Sequence, objective: str) -> list[dict]:
         run = load_run(d)
         if run.config.get('method') != 'tmas':
             raise ValueError(f"{d}: a {run.config.get('method')!r} run, not a TMAS run; pass folders written by `tmas run --method tmas`")
+        if run.running: raise ValueError(f"{d}: the run is still running (process {run.running}); wait until it has finished")
         if not run.complete: raise ValueError(f"{d}: the run is not finished; rerun its `tmas run` command to complete it")
         banks = _last_banks(run)
         if need and not any(need in v for v in banks.values()):
@@ -331,8 +332,12 @@ def last_checkpoint(out) -> Path | None:
     return max(done, key=lambda d: int(d.name.split('-')[1])) if done else None
 
 def train(s: TrainSettings) -> Path:
-    "Train `s.model` with GRPO on `s.task` (resuming from OUT's last checkpoint); returns OUT."
+    "Train `s.model` with GRPO on `s.task` (resuming from OUT's last checkpoint), holding OUT's lock; returns OUT."
     s.validate()
+    if int(os.environ.get('RANK', '0') or 0) != 0: return _train(s)   # under accelerate, rank 0 holds the lock for all
+    with folder_lock(s.out, 'training folder'): return _train(s)
+
+def _train(s: TrainSettings) -> Path:
     os.environ.setdefault('HF_HUB_OFFLINE', '1')
     import torch
     if s.threads: torch.set_num_threads(s.threads)

@@ -10,21 +10,22 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Sequence
 
-from .core import atomic_write_bytes, atomic_write_json
+from .core import LOCK_FILE, atomic_write_bytes, atomic_write_json, folder_lock, lock_holder
 from .methods import (METHODS, RECORD_COLUMNS, MethodConfig, make_method, read_checkpoints, records_frame,
                              run_method)
 
 # %% auto #0
 __all__ = ['RUN_FILES', 'FINISHED_FILES', 'BANK_COLUMNS', 'IDENTITY_KEYS', 'TMAS_VARIANTS', 'PAPER_TOKEN_BUDGET', 'PRESETS',
            'PRESET_HELP', 'record_schema', 'bank_schema', 'write_parquet', 'versions', 'RunConfigMismatch',
-           'run_config', 'prepare_run_dir', 'collect_run', 'finish_run', 'write_status', 'read_status', 'judge_columns',
-           'grading_label', 'carry_forward', 'pass_at_1_by_iteration', 'tmas_variant', 'run_label', 'best_candidates',
-           'Run', 'banks_frame', 'load_run', 'record_server', 'resolve_auto_backend', 'start_run', 'preset_settings',
-           'model_context_length', 'cap_to_context', 'config_from_args', 'add_cli']
+           'run_config', 'check_run_folder', 'prepare_run_dir', 'collect_run', 'finish_run', 'write_status',
+           'read_status', 'judge_columns', 'grading_label', 'carry_forward', 'pass_at_1_by_iteration', 'tmas_variant',
+           'run_label', 'best_candidates', 'Run', 'banks_frame', 'load_run', 'record_server', 'resolve_auto_backend',
+           'check_run_files', 'start_run', 'preset_settings', 'model_context_length', 'cap_to_context',
+           'config_from_args', 'add_cli']
 
 # %% ../nbs/24_runs.ipynb #e90ea9e1
 RUN_FILES = ('config.json', 'calls.sqlite', 'checkpoints', 'banks', 'records.parquet', 'banks.parquet',
-             'usage.json', 'status.json')
+             'usage.json', 'status.json', LOCK_FILE)
 FINISHED_FILES = ('records.parquet', 'banks.parquet', 'usage.json')
 "What `finish_run` writes from the checkpoints when a run ends."
 BANK_COLUMNS = ('problem_id', 'iteration', 'bank', 'items', 'n_items')
@@ -88,6 +89,14 @@ def _differences(old: dict, new: dict) -> list[str]:
         elif a != b: out.append(f"{k}: {a!r} -> {b!r}")
     return out
 
+def check_run_folder(run_dir) -> Path:
+    "`run_dir` when it is new, empty (but for a lock file) or holds a `config.json`; a file or a folder of other things is an error."
+    run_dir = Path(run_dir)
+    if run_dir.is_file(): raise NotADirectoryError(f"--out {run_dir} is a file, not a folder; choose a folder for the run")
+    if run_dir.is_dir() and not (run_dir / 'config.json').exists() and any(p.name != LOCK_FILE for p in run_dir.iterdir()):
+        raise ValueError(f"{run_dir} is not empty and has no config.json, so it is not a run folder; choose a new --out folder")
+    return run_dir
+
 def prepare_run_dir(run_dir, cfg: dict) -> dict:
     "Create `run_dir` with `config.json`, or check that the run already there has the same configuration."
     run_dir = Path(run_dir); path = run_dir / 'config.json'
@@ -99,8 +108,7 @@ def prepare_run_dir(run_dir, cfg: dict) -> dict:
             raise RunConfigMismatch(f"{run_dir} holds a run with a different configuration ({'; '.join(diff)}). "
                                     f"Use a new --out folder, or rerun with the original settings to resume it.")
         return old
-    if run_dir.exists() and any(run_dir.iterdir()):
-        raise ValueError(f"{run_dir} is not empty and has no config.json, so it is not a run folder; choose a new --out folder")
+    check_run_folder(run_dir)
     atomic_write_json(path, cfg)
     return cfg
 
@@ -243,7 +251,7 @@ def best_candidates(records):
 # %% ../nbs/24_runs.ipynb #a6ecc485
 @dataclass(eq=False)
 class Run:
-    "A run folder opened for reading: `config`, `records` and `banks` (DataFrames), `usage`, `status`, `judge` (judge.json, empty when not judged)."
+    "A run folder opened for reading: `config`, `records` and `banks` (DataFrames), `usage`, `status`, `judge` (judge.json, empty when not judged), `running` (the PID writing it, if any)."
     run_dir: Path
     config: dict
     records: Any
@@ -252,6 +260,7 @@ class Run:
     status: dict = field(default_factory=dict)
     judge: dict = field(default_factory=dict)
     events: list | None = field(default=None, repr=False)   # memory-agent events; read from the checkpoints when first asked for
+    running: int | None = None                               # the process writing the run when it was opened
 
     def __post_init__(self): self.run_dir = Path(self.run_dir)
     @property
@@ -292,6 +301,7 @@ class Run:
              'tokens_by_role': {r: int(d.get('completion_tokens', 0)) for r, d in sorted(self.usage.get('by_role', {}).items())},
              'complete': self.complete}
         if judged: s['grading'] = grading_label(self.judge)
+        if self.running is not None: s['running_pid'] = self.running
         return s
 
     def __repr__(self):
@@ -317,16 +327,21 @@ def load_run(run_dir) -> Run:
     if not (run_dir / 'config.json').exists():
         raise FileNotFoundError(f"{run_dir}: no config.json, so this is not a run folder; create one with `tmas run --method ... --out {run_dir}`")
     cfg, status = _read_json(run_dir / 'config.json'), read_status(run_dir)
+    running = lock_holder(run_dir)
+    running = None if running == os.getpid() else running      # the run this process has just finished is not running
+    if running is not None: status = {**status, 'complete': False}
     judge = _read_json(run_dir / 'judge.json') if (run_dir / 'judge.json').exists() else {}
     missing = [f for f in FINISHED_FILES if not (run_dir / f).exists()]
     has_checkpoints = (run_dir / 'checkpoints').is_dir()
     if not missing and (status.get('complete') or not has_checkpoints):
         rec = _checked(pd.read_parquet(run_dir / 'records.parquet'), RECORD_COLUMNS, run_dir / 'records.parquet')
         banks = _checked(pd.read_parquet(run_dir / 'banks.parquet'), BANK_COLUMNS, run_dir / 'banks.parquet')
-        return Run(run_dir, cfg, records_frame(rec), banks_frame(banks), _read_json(run_dir / 'usage.json'), status, judge)
-    if has_checkpoints:
-        records, banks, usage_by_role, events = collect_run(run_dir, cfg.get('problem_ids'))
-        return Run(run_dir, cfg, records_frame(records), banks_frame(banks), {'by_role': usage_by_role}, status, judge, events)
+        return Run(run_dir, cfg, records_frame(rec), banks_frame(banks), _read_json(run_dir / 'usage.json'), status, judge,
+                   running=running)
+    if has_checkpoints or running is not None:   # interrupted, or running and maybe without a checkpoint yet
+        records, banks, usage_by_role, events = collect_run(run_dir, cfg.get('problem_ids')) if has_checkpoints else ([], [], {}, [])
+        return Run(run_dir, cfg, records_frame(records), banks_frame(banks), {'by_role': usage_by_role}, status, judge, events,
+                   running=running)
     raise FileNotFoundError(f"{run_dir}: missing {', '.join(missing)}; the run has not finished. Rerun the same "
                             f"`tmas run ... --out {run_dir}` command to finish it (it resumes), or leave this folder out.")
 
@@ -362,26 +377,48 @@ def resolve_auto_backend(run_dir, model: str, config, concurrency: int, llm_kw: 
     c = choose_engine(model, run_width(config, concurrency), threads)
     return c.backend, c.to_dict(), {**c.kwargs, **rest}
 
+def check_run_files(run_dir) -> None:
+    "Before a run writes anything: its status, call cache and records, where present, can be read; else a one-line error saying what to do."
+    import pyarrow as pa, pyarrow.parquet as pq
+    from tmas_nb.llm.cache import open_cache_db
+    run_dir = Path(run_dir)
+    st, cache, rec = run_dir / 'status.json', run_dir / 'calls.sqlite', run_dir / 'records.parquet'
+    if st.exists():
+        try: json.loads(st.read_text(encoding='utf-8'))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{st}: not valid JSON ({e}); move it aside with `mv {st} {st}.bad` and rerun: it is written again") from None
+    if cache.exists(): open_cache_db(cache).close()
+    if rec.exists():
+        try: pq.read_table(rec)
+        except (pa.ArrowException, OSError, ValueError) as e:
+            raise ValueError(f"{rec}: not a readable Parquet file ({' '.join(str(e).split())[:120]}); move it aside with "
+                             f"`mv {rec} {rec}.bad` and rerun: the records are written again from checkpoints/ (the "
+                             f"columns of `tmas judge` are not: rerun it afterwards)") from None
+
 async def start_run(method: str, problems, config: MethodConfig | dict | None, run_dir, model: str = 'default',
                     backend: str = 'transformers', benchmark: str = '', llm=None, base_url: str | None = None,
                     limit: int | None = None, concurrency: int = 4, progress: bool = True, preset: str | None = None,
                     **llm_kw) -> Run:
-    "Run (or resume) `method` on `problems` into `run_dir`; returns the finished `Run`."
+    "Run (or resume) `method` on `problems` into `run_dir`, holding the folder's lock; returns the finished `Run`."
+    m = make_method(method, config)
+    problems, run_dir = list(problems), check_run_folder(run_dir)
+    with folder_lock(run_dir):
+        check_run_files(run_dir)   # a damaged file stops the run before anything is written
+        choice = None
+        if backend == 'auto' and llm is None: backend, choice, llm_kw = resolve_auto_backend(run_dir, model, m.config, concurrency, llm_kw)
+        cfg = run_config(method, m.config, benchmark, [p.id for p in problems], model, backend, base_url, limit, preset)
+        if choice is not None: cfg['engine_choice'] = choice
+        if choice is not None and progress:
+            print(f"engine: {choice.get('engine', backend)} ({choice.get('reason', '')})", file=sys.stderr, flush=True)
+        cfg['quantize'] = llm_kw.get('quantize') if llm is None else None
+        prepare_run_dir(run_dir, cfg)
+        return await _run_in_folder(m, problems, run_dir, llm, model, backend, base_url, concurrency, progress, llm_kw)
+
+async def _run_in_folder(m, problems, run_dir: Path, llm, model, backend, base_url, concurrency, progress, llm_kw) -> Run:
+    "`start_run` once the folder is checked: open the model and its cache, mark the run incomplete, run, collect, mark it complete."
     from tmas_nb.llm.cache import CachedLLM
     from tmas_nb.llm.core import load_llm, engine_stats
-    m = make_method(method, config)
-    problems = list(problems)
-    run_dir = Path(run_dir)
-    choice = None
-    if backend == 'auto' and llm is None: backend, choice, llm_kw = resolve_auto_backend(run_dir, model, m.config, concurrency, llm_kw)
-    cfg = run_config(method, m.config, benchmark, [p.id for p in problems], model, backend, base_url, limit, preset)
-    if choice is not None: cfg['engine_choice'] = choice
-    if choice is not None and progress:
-        print(f"engine: {choice.get('engine', backend)} ({choice.get('reason', '')})", file=sys.stderr, flush=True)
-    cfg['quantize'] = llm_kw.get('quantize') if llm is None else None
-    prepare_run_dir(run_dir, cfg)
     before = read_status(run_dir)
-    write_status(run_dir, False, before.get('wall_s', 0.0), invocations=before.get('invocations', 0) + 1)
     t0 = time.perf_counter()
     if llm is None:
         if backend == 'openai': llm_kw.setdefault('base_url', base_url)
@@ -390,6 +427,7 @@ async def start_run(method: str, problems, config: MethodConfig | dict | None, r
     else:
         cached = CachedLLM(llm, run_dir / 'calls.sqlite', close_backend=False)
     try:
+        write_status(run_dir, False, before.get('wall_s', 0.0), invocations=before.get('invocations', 0) + 1)
         await run_method(m, problems, cached, run_dir=run_dir, concurrency=concurrency, progress=progress)
         stats = {'hits': cached.hits, 'misses': cached.misses,
                  'model_loaded': getattr(getattr(cached, 'backend', None), 'loaded', True)}
@@ -528,7 +566,8 @@ def _cmd_summary(args) -> int:
     if args.json:
         print(json.dumps(s))
         return 0
-    print(f"method {s['method']}  problems {s['problems']}  complete {s['complete']}")
+    running = f"  running (process {s['running_pid']})" if 'running_pid' in s else ''
+    print(f"method {s['method']}  problems {s['problems']}  complete {s['complete']}{running}")
     print('iteration  pass@1  candidates')
     for i in s['iterations']: print(f"{i['iteration']:>9}  {i['pass_at_1']:.4f}  {i['candidates']:>10}")
     print('completion tokens: ' + ', '.join(f'{r} {n}' for r, n in s['tokens_by_role'].items()))

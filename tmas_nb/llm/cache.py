@@ -10,7 +10,7 @@ from pathlib import Path
 from .core import LLM, Request, Completion
 
 # %% auto #0
-__all__ = ['cache_key', 'CompletionStore', 'CachedLLM']
+__all__ = ['cache_key', 'DamagedCache', 'open_cache_db', 'CompletionStore', 'CachedLLM']
 
 # %% ../../nbs/14_llm_cache.ipynb #12b8d755
 def cache_key(model_id: str, request: Request, sample_index: int) -> str:
@@ -21,6 +21,24 @@ def cache_key(model_id: str, request: Request, sample_index: int) -> str:
     blob = json.dumps(payload, sort_keys=True, ensure_ascii=False, separators=(',', ':'))
     return hashlib.sha256(blob.encode('utf-8')).hexdigest()
 
+# %% ../../nbs/14_llm_cache.ipynb #8a114b30
+class DamagedCache(ValueError):
+    "The cache file is not a readable SQLite database."
+
+def open_cache_db(path: Path) -> sqlite3.Connection:
+    "A connection to the cache file at `path` after SQLite's quick check; a damaged file raises `DamagedCache` and is left as it was."
+    db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None, timeout=60)
+    try:
+        row = db.execute('PRAGMA quick_check').fetchone()
+        if not row or row[0] != 'ok': raise sqlite3.DatabaseError(row[0] if row else 'no answer to the check')
+        return db
+    except sqlite3.OperationalError: db.close(); raise   # locked or unreadable: not damage
+    except sqlite3.DatabaseError as e:
+        db.close()
+        raise DamagedCache(f"{path}: the call cache is damaged ({e}); move it aside with `mv {path} {path}.bad` and rerun "
+                           f"the command: a new, empty cache is started and only the calls that are needed are made again "
+                           f"(a run folder keeps its finished iterations in checkpoints/)") from None
+
 # %% ../../nbs/14_llm_cache.ipynb #0dbbb379
 class CompletionStore:
     "A SQLite table of completions by key (WAL mode, one transaction per insert, thread-safe)."
@@ -29,7 +47,7 @@ class CompletionStore:
         if path.is_dir() or path.suffix == '': path = path / 'llm_cache.sqlite'
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path, self._lock = path, threading.Lock()
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None, timeout=60)
+        self._db = open_cache_db(path)
         with self._lock:
             self._db.execute('PRAGMA journal_mode=WAL')
             self._db.execute('PRAGMA synchronous=NORMAL')
