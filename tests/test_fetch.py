@@ -76,7 +76,7 @@ def test_corrupted_file_is_refused_and_nothing_is_left(data_root, tmp_path, caps
     link.unlink(); link.write_bytes(bytes(body))
     dest = tmp_path / 'data'
     with Server(bad, tmp_path / 'log') as s:
-        assert main(['data', 'fetch', 'imo-answerbench', '--dest', str(dest), '--base-url', s.url, '--retries', '0']) == 2
+        assert main(['data', 'fetch', 'imo-answerbench', '--dest', str(dest), '--mirror', s.url, '--retries', '0']) == 2
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f'tmas: error: {s.url}/google-deepmind/superhuman/'), err
@@ -110,7 +110,7 @@ def test_offline_fails_with_one_clear_line(tmp_path, monkeypatch, capsys):
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
     assert lines[0].startswith(f'tmas: error: cannot download http://127.0.0.1:{port}/zhengkid/AutoTTS/')
-    assert 'Connection refused' in lines[0] and '(2 attempts)' in lines[0] and '--base-url' in lines[0]
+    assert 'Connection refused' in lines[0] and '(2 attempts)' in lines[0] and '--mirror' in lines[0]
     assert files_under(dest) == []
 
 
@@ -136,7 +136,7 @@ def test_fresh_machine_fetch_then_main_job(mirror, data_root, tmp_path, monkeypa
     assert main(job) == 2
     assert '`tmas data fetch autotts`' in capsys.readouterr().err
     with Server(mirror, tmp_path / 'log') as s:
-        r = cli('data', 'fetch', 'autotts', '--base-url', s.url, env=env)
+        r = cli('data', 'fetch', 'autotts', '--mirror', s.url, env=env)
     assert r.returncode == 0, r.stderr
     home = tmp_path / 'xdg' / 'tmas_nb'
     assert f'autotts: 12 files (30.8 MB) verified in {home} (12 downloaded)' in r.stdout
@@ -159,7 +159,7 @@ def test_fresh_machine_fetch_then_main_job(mirror, data_root, tmp_path, monkeypa
 
 
 def test_mirror_command_served_by_plain_http_server(data_root, tmp_path, capsys):
-    "`tmas data mirror` output served by `python -m http.server` (no Range support) is a working --base-url."
+    "`tmas data mirror` output served by `python -m http.server` (no Range support) is a working --mirror."
     assert main(['data', 'mirror', str(tmp_path / 'mirror'), 'imo-answerbench', '--data-dir', str(data_root)]) == 0
     assert '1 files laid out' in capsys.readouterr().out
     port = closed_port()

@@ -5,7 +5,7 @@ import pytest
 
 from tmas_nb import grading
 from tmas_nb.grading import (grade, grade_detail, grade_many, grade_many_detail, extract_answer_detail, answer_kind,
-                             clean_answer, pass_at_1, parse_verdict, judge, add_cli, shutdown_pool)
+                             clean_answer, pass_at_1, parse_verdict, judge, grade_cli, shutdown_pool)
 
 
 @pytest.fixture(scope='module')
@@ -186,12 +186,11 @@ def test_cli_contract_subprocess():
     assert r.returncode == 2 and r.stderr.startswith('tmas: error: ') and 'reference answer is empty' in r.stderr
 
 
-def test_cli_add_cli_on_own_parser(capsys):
-    parser = argparse.ArgumentParser(prog='tmas')
-    sub = parser.add_subparsers(dest='command', required=True)
-    add_cli(sub)
-    assert 'grade' in parser.format_help()
-    args = parser.parse_args(['grade', '--gold', '(-\\infty, 0]', '--pred', r'\boxed{x \le 0}'])
+def test_cli_grade_cli_on_own_parser(capsys):
+    parser = argparse.ArgumentParser(prog='tmas grade')
+    grade_cli(parser)
+    assert '--gold' in parser.format_help()
+    args = parser.parse_args(['--gold', '(-\\infty, 0]', '--pred', r'\boxed{x \le 0}'])
     assert args.func(args) == 0 and capsys.readouterr().out == 'true\n'
     from tmas_nb.cli import main
     assert main(['grade', '--gold', '3', '--pred', r'\boxed{4}']) == 0 and capsys.readouterr().out == 'false\n'

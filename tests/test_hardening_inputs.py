@@ -131,18 +131,22 @@ def test_lock_is_not_held_by_forked_children_of_a_killed_holder(tmp_path):
         os.kill(child, signal.SIGKILL)
 
 
-def test_discover_and_rl_train_refuse_a_locked_folder(tmp_path):
+def test_discover_rl_train_and_judge_refuse_a_locked_folder(tmp_path):
     from tmas_nb.discovery import synthetic_store
     from tmas_nb.replay.authors_api import store_records
     store = tmp_path / 'syn.json'
     store.write_text(json.dumps(store_records(synthetic_store())))
     for name, args in [('discover', ['discover', '--proposer', 'smollm2', '--rounds', '1', '--train', store,
                                      '--seeds', '1', '--max-new-tokens', '4']),
-                       ('train', ['rl', 'train', '--task', 'toy', '--max-steps', '1', '--threads', '1'])]:
+                       ('train', ['rl', 'train', '--task', 'toy', '--max-steps', '1', '--threads', '1']),
+                       ('judge', ['judge', None, '--judge', 'smollm2', '--repeats', '1'])]:
         folder = tmp_path / name
         holder = hold_lock(folder)
         try:
-            r = tmas(*args, '--out', folder, timeout=120)
+            if name == 'judge':               # judging writes into a run folder: not while its writer holds it
+                (folder / 'config.json').write_text('{}')
+                r = tmas(*[folder if a is None else a for a in args], timeout=120)
+            else: r = tmas(*args, '--out', folder, timeout=120)
             assert r.returncode == 2, r.stderr[-2000:]
             lines = error_lines(r.stderr)
             assert len(lines) == 1 and f'process {holder.pid}' in lines[0], r.stderr
@@ -234,7 +238,7 @@ def test_fetch_of_a_shorter_file_is_refused_at_once_keeping_nothing(data_root, t
     extra = ['--no-length'] if framing == 'connection-close' else []
     t0 = time.time()
     with Mirror(mirror, tmp_path / 'log', *extra) as m:
-        r = tmas('data', 'fetch', 'imo-answerbench', '--dest', dest, '--base-url', m.url, '--quiet', timeout=120)
+        r = tmas('data', 'fetch', 'imo-answerbench', '--dest', dest, '--mirror', m.url, '--quiet', timeout=120)
         gets = m.gets()
     assert r.returncode == 2, r.stderr
     lines = error_lines(r.stderr)

@@ -8,18 +8,19 @@ from tmas_nb.replay.authors_api import store_records
 from tmas_nb.reporting import run_report
 
 
-def _store_file(tmp_path):
-    p = tmp_path / 'stores' / 'syn.json'; p.parent.mkdir()
-    p.write_text(json.dumps(store_records(synthetic_store())))
+def _store_file(tmp_path, **kw):
+    p = tmp_path / 'stores' / f"syn{kw.get('n_branches', '')}.json"; p.parent.mkdir(exist_ok=True)
+    p.write_text(json.dumps(store_records(synthetic_store(**kw))))
     return p
 
 
 def test_autotts_discovery_report(tmp_path):
     store = _store_file(tmp_path)
+    wide = _store_file(tmp_path, n_branches=64, seed=1)      # the held-out table runs SC@64: a store with 64 branches
     # control flow only: canned proposals (a working file, then no code) in place of a model
     script = [f"```python\n{EXAMPLE_CONTROLLER}```", 'notes', 'no code here', 'notes']
     run = tmp_path / 'run'
-    run_discovery(ScriptedLLM(script), DiscoveryConfig(rounds=2, train=[str(store)], heldout=[str(store)], seeds=3,
+    run_discovery(ScriptedLLM(script), DiscoveryConfig(rounds=2, train=[str(store)], heldout=[str(wide)], seeds=3,
                                                        betas=(0.0, 0.5, 1.0)), run, progress=False)
     d = run_report('autotts_discovery', tmp_path / 'out', dict(run_dir=str(run)), progress=False)
     s = json.loads((d / 'summary.json').read_text())

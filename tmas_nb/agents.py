@@ -8,6 +8,8 @@ import asyncio, hashlib, json, random
 from dataclasses import dataclass, field, asdict, replace
 from typing import Any, Mapping, Sequence
 
+from fastcore.basics import patch
+
 from .llm.core import LLM, Request, Completion, TokenUsage, split_thinking
 from .prompts import (render_solution_messages, render_verification_messages, render_summary_messages,
                              render_experience_messages, render_guideline_messages, render_rse_messages,
@@ -28,10 +30,12 @@ def derive_seed(run_seed: int, problem_id: str, iteration: int, candidate: int, 
     key = json.dumps([int(run_seed), str(problem_id), int(iteration), int(candidate), str(role)], separators=(',', ':'))
     return int.from_bytes(hashlib.sha256(key.encode('utf-8')).digest()[:8], 'big') % (2 ** 31)
 
+# %% ../nbs/21_agents.ipynb #4e5a0176
 def derive_rng(run_seed: int, problem_id: str, iteration: int, candidate: int, role: str) -> random.Random:
     "A `random.Random` seeded by `derive_seed` (for the methods' own random choices)."
     return random.Random(derive_seed(run_seed, problem_id, iteration, candidate, role))
 
+# %% ../nbs/21_agents.ipynb #3c90c60c
 ROLE_SAMPLING_KEYS = ('temperature', 'top_p', 'top_k', 'max_new_tokens')
 "The settings a role may override."
 
@@ -56,18 +60,23 @@ class SamplingConfig:
             if bad is None or bad:
                 raise ValueError(f"role_sampling[{role!r}]: unknown setting(s) {bad if bad else over!r}; a role may set {list(ROLE_SAMPLING_KEYS)}")
 
-    def for_role(self, role: str) -> SamplingConfig:
-        "These settings with `role`'s overrides applied (and no further per-role table)."
-        return replace(self, **dict(self.roles.get(role, {})), roles={})
+# %% ../nbs/21_agents.ipynb #e8dd1f21
+@patch
+def for_role(self:SamplingConfig, role: str) -> SamplingConfig:
+    "These settings with `role`'s overrides applied (and no further per-role table)."
+    return replace(self, **dict(self.roles.get(role, {})), roles={})
 
-    def request(self, messages: list[dict], role: str, problem_id: str, iteration: int, candidate: int,
-                n: int = 1, seed_role: str | None = None) -> Request:
-        "A `Request` with `role`'s settings and the seed derived from (seed, problem, iteration, candidate, role)."
-        s = self.for_role(role)
-        seed = derive_seed(self.seed, problem_id, iteration, candidate, seed_role or role)
-        return Request(messages=messages, role=role, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                       max_new_tokens=s.max_new_tokens, n=n, seed=seed, enable_thinking=s.enable_thinking)
+# %% ../nbs/21_agents.ipynb #47aaa74e
+@patch
+def request(self:SamplingConfig, messages: list[dict], role: str, problem_id: str, iteration: int, candidate: int,
+            n: int = 1, seed_role: str | None = None) -> Request:
+    "A `Request` with `role`'s settings and the seed derived from (seed, problem, iteration, candidate, role)."
+    s = self.for_role(role)
+    seed = derive_seed(self.seed, problem_id, iteration, candidate, seed_role or role)
+    return Request(messages=messages, role=role, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                   max_new_tokens=s.max_new_tokens, n=n, seed=seed, enable_thinking=s.enable_thinking)
 
+# %% ../nbs/21_agents.ipynb #ccfba82d
 @dataclass(frozen=True)
 class AgentContext:
     "What the agent calls for one problem at one iteration share: sampling settings (with the run seed), the problem's id and question, the iteration (an RSE round), the prompt templates."
@@ -113,10 +122,12 @@ class Verification:
         "(text, score or None) per review, in order."
         return [(t, parse_verification_score(t)) for t in self.texts]
 
+# %% ../nbs/21_agents.ipynb #2f117358
 def is_fully_verified(scores: Sequence[float], n_verifications: int) -> bool:
     "At least max(1, M - 2) readable scores and all of them 1.0 (the paper's 'fully verified')."
     return n_verifications > 0 and len(scores) >= max(1, n_verifications - 2) and all(s == 1.0 for s in scores)
 
+# %% ../nbs/21_agents.ipynb #855edcc1
 async def verify(llm: LLM, ctx: AgentContext, solution: str, candidate: int, n_verifications: int) -> Verification:
     "M reviews of one solution in a single request (`n = M`); M = 0 asks nothing."
     if n_verifications <= 0: return Verification()
@@ -147,6 +158,7 @@ class MemoryUpdate:
 
     def to_dict(self) -> dict: return asdict(self)
 
+# %% ../nbs/21_agents.ipynb #c5faa4fe
 async def _ask_json(llm: LLM, ctx: AgentContext, msgs: list[dict], role: str, keys: Sequence[str], candidate: int,
                     retries: int) -> tuple[dict | None, int, str | None]:
     "Ask until the reply holds a JSON object with one of `keys`: (answer or None, attempts, last error)."
@@ -160,6 +172,7 @@ async def _ask_json(llm: LLM, ctx: AgentContext, msgs: list[dict], role: str, ke
                  f"{' (it was cut at max_new_tokens)' if c.finish_reason == 'length' else ''}: {c.text[:120]!r}")
     return None, retries + 1, error
 
+# %% ../nbs/21_agents.ipynb #5ce62f00
 async def update_experience(llm: LLM, ctx: AgentContext, rollouts: Sequence[Any], bank: ExperienceBank,
                             retries: int = 2) -> MemoryUpdate:
     "Ask the experience agent for the updated bank and apply it (the bank is unchanged when no reply parses)."
@@ -171,6 +184,7 @@ async def update_experience(llm: LLM, ctx: AgentContext, rollouts: Sequence[Any]
     ev = bank.update_from_agent(ans, round=ctx.iteration, replace=True)
     return MemoryUpdate('experience', True, attempts, sum(len(v) for v in ev.added.values()), answer=ans)
 
+# %% ../nbs/21_agents.ipynb #02811e34
 async def update_guidelines(llm: LLM, ctx: AgentContext, rollouts: Sequence[Any], bank: GuidelineBank,
                             retries: int = 2) -> MemoryUpdate:
     "Ask the guideline agent for the updated strategy list and append its new strategies (append-only)."
@@ -180,6 +194,7 @@ async def update_guidelines(llm: LLM, ctx: AgentContext, rollouts: Sequence[Any]
     ev = bank.update(ans['updated_guidelines'], round=ctx.iteration)
     return MemoryUpdate('guideline', True, attempts, len(ev.added), answer=ans)
 
+# %% ../nbs/21_agents.ipynb #45a8f52e
 def apply_distillation(bank: RSEBank, answer: dict, mode: str, round: int) -> int:
     "Add a distillation answer's propositions and/or pitfalls (by `mode`) to `bank`; the number of items added."
     props = answer.get('verified_propositions', []) if mode in ('both', 'positive') else []
@@ -187,6 +202,7 @@ def apply_distillation(bank: RSEBank, answer: dict, mode: str, round: int) -> in
     ev = bank.update(props, pits, round=round)
     return sum(len(v) for v in ev.added.values())
 
+# %% ../nbs/21_agents.ipynb #69e40ec5
 DISTILL_MAX_CHARS = 24_000
 "Default budget (characters, about 6k tokens) of one rollout's trajectory shown to the distillation agent."
 
@@ -207,6 +223,7 @@ def rollout_trajectory(rollout: Completion | str, max_chars: int = DISTILL_MAX_C
     if len(r) > room: r, head = '...' + r[-room:], f'Reasoning (its last {room} characters):'
     return f"{head}\n{r}\n\nFinal response:\n{final}"
 
+# %% ../nbs/21_agents.ipynb #8b4ddd6e
 async def distill(llm: LLM, ctx: AgentContext, solution: str | Completion, bank: RSEBank | None, candidate: int,
                   mode: str = 'both', retries: int = 2, max_chars: int = DISTILL_MAX_CHARS) -> MemoryUpdate:
     "Distil one RSE rollout (its reasoning and response) into propositions and pitfalls, kept in `.answer` and added to `bank` unless it is None."
@@ -224,24 +241,28 @@ async def rse_rollouts(llm: LLM, ctx: AgentContext, bank: RSEBank | None, k: int
     [cs] = await llm.generate([ctx.request(msgs, 'solution', -1, n=k, seed_role='rse-solution')])
     return cs
 
+# %% ../nbs/21_agents.ipynb #15a4ea2e
 async def sample(llm: LLM, ctx: AgentContext, k: int) -> list[Completion]:
     "K independent solutions from the base prompt (one request, `n = K`)."
     msgs = render_solution_messages(ctx.question, mode='exploit', templates=ctx.templates)
     [cs] = await llm.generate([ctx.request(msgs, 'solution', -1, n=k, seed_role='sample')])
     return cs
 
+# %% ../nbs/21_agents.ipynb #cac4bcfc
 async def self_refine(llm: LLM, ctx: AgentContext, solution: str, candidate: int) -> Completion:
     "The model's own refinement of its earlier solution."
     msgs = render_self_refine_messages(ctx.question, solution, templates=ctx.templates)
     [[c]] = await llm.generate([ctx.request(msgs, 'refine', candidate)])
     return c
 
+# %% ../nbs/21_agents.ipynb #2c41e91e
 async def verify_refine(llm: LLM, ctx: AgentContext, solution: str, feedback: Sequence[str], candidate: int) -> Completion:
     "A corrected solution written from the solution and its reviewers' feedback."
     msgs = render_verify_refine_messages(ctx.question, solution, list(feedback), templates=ctx.templates)
     [[c]] = await llm.generate([ctx.request(msgs, 'refine', candidate)])
     return c
 
+# %% ../nbs/21_agents.ipynb #eb5bd790
 async def pacore(llm: LLM, ctx: AgentContext, references: Sequence[str], candidate: int,
                  max_references: int | None = None) -> Completion:
     "A fresh solution that sees the previous round's final answers as references."

@@ -10,6 +10,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 import pandas as pd
+from scipy import stats
 
 from .runs import (Run, load_run, BANK_COLUMNS, TMAS_VARIANTS, tmas_variant, run_label, judge_columns,
                           grading_label, carry_forward, pass_at_1_by_iteration)
@@ -24,9 +25,11 @@ __all__ = ['RunData', 'read_run', 'SMALL_MODELS', 'BENCHMARK_SIZES', 'PAPER_COLU
 # %% ../nbs/30_analysis.ipynb #d3def5f8
 RunData = Run
 "A run folder read for analysis: `tmas_nb.runs.Run`."
+
 read_run = load_run
 "Read one run folder: `tmas_nb.runs.load_run`."
 
+# %% ../nbs/30_analysis.ipynb #766aa29d
 def expand_runs(runs: str | os.PathLike | Iterable[str | os.PathLike]) -> list[Path]:
     "Run folders from a list of folders and/or glob patterns (or one pattern); only folders with a config.json."
     items = [runs] if isinstance(runs, (str, os.PathLike)) else list(runs)
@@ -41,17 +44,12 @@ def expand_runs(runs: str | os.PathLike | Iterable[str | os.PathLike]) -> list[P
     if not out: raise FileNotFoundError(f"no run folders match {runs!r}; pass folders written by `tmas run --out DIR` or a glob such as 'runs/*'")
     return out
 
+# %% ../nbs/30_analysis.ipynb #6ed33ab0
 def read_runs(runs) -> list[RunData]:
     "Read every run folder named by `runs` (folders and/or globs)."
     return [read_run(p) for p in expand_runs(runs)]
 
 # %% ../nbs/30_analysis.ipynb #f5ce5bef
-SMALL_MODELS = ('smollm2', 'default', 'qwen2.5-coder-0.5b')
-"Model names of the small packaged models (checks, not reproductions of the papers)."
-
-BENCHMARK_SIZES = {'imo_answerbench': 400, 'hmmt24': 30, 'hmmt25': 30, 'demo': 30}
-"Problems in each full benchmark."
-
 def config_key(config: dict, ignore: Sequence[str] = ('seed',)) -> str:
     "A key equal for runs that differ only in `ignore` (the seed): method, settings, benchmark, problems and model."
     c = {k: v for k, v in (config.get('config') or {}).items() if k not in ignore}
@@ -59,10 +57,18 @@ def config_key(config: dict, ignore: Sequence[str] = ('seed',)) -> str:
              'problem_ids': config.get('problem_ids'), 'model': config.get('model')}
     return json.dumps(ident, sort_keys=True, default=str)
 
+# %% ../nbs/30_analysis.ipynb #19a6cc6c
 def benchmark_name(config: dict) -> str:
     "The benchmark's short name ('hmmt25', 'imo_answerbench', 'demo', or a file's stem)."
     b = str(config.get('benchmark', ''))
     return Path(b).stem.lower().replace('_v2', '') if b else ''
+
+# %% ../nbs/30_analysis.ipynb #9359a397
+SMALL_MODELS = ('smollm2', 'default', 'qwen2.5-coder-0.5b')
+"Model names of the small packaged models (checks, not reproductions of the papers)."
+
+BENCHMARK_SIZES = {'imo_answerbench': 400, 'hmmt24': 30, 'hmmt25': 30, 'demo': 30}
+"Problems in each full benchmark."
 
 def is_small_setting(config: dict) -> dict:
     "Whether the run used a small packaged model and/or a subset of its benchmark (with the numbers)."
@@ -73,6 +79,7 @@ def is_small_setting(config: dict) -> dict:
     subset = config.get('limit') is not None or (full is not None and 0 < n < full)
     return {'small_model': small_model, 'subset': subset, 'problems': n, 'benchmark_size': full, 'model': config.get('model')}
 
+# %% ../nbs/30_analysis.ipynb #26c46f79
 def setting_note(configs: Sequence[dict]) -> str:
     "One plain sentence per kind of caveat over a set of runs (empty when every run uses a full benchmark and a large model)."
     info = [is_small_setting(c) for c in configs]
@@ -112,6 +119,7 @@ def pass_at_1_table(runs: Sequence[RunData], judges: Sequence[str] | str | None 
         frames.append(c)
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=['run', 'label', 'method', 'benchmark', 'model', 'seed', 'iteration', 'pass_at_1'])
 
+# %% ../nbs/30_analysis.ipynb #28a4a184
 def iteration_table(long: pd.DataFrame, value: str = 'pass_at_1', scale: float = 100.0, index: Sequence[str] = ('label',)) -> pd.DataFrame:
     "Wide table: one row per `index` (label), columns It0 … ItT (mean over the runs of a row, times `scale`)."
     if long.empty: return pd.DataFrame()
@@ -161,6 +169,7 @@ def total_completion_tokens(run: RunData) -> int:
         return int(sum(int(d.get('completion_tokens', 0)) for d in u['by_role'].values()))
     return int(run.records['completion_tokens'].sum())
 
+# %% ../nbs/30_analysis.ipynb #88010143
 def tokens_by_method(runs: Sequence[RunData]) -> pd.DataFrame:
     "One row per run: label, method, model, seed, problems, total completion tokens, tokens per problem, final Pass@1."
     rows = []
@@ -177,7 +186,6 @@ def tokens_by_method(runs: Sequence[RunData]) -> pd.DataFrame:
 
 # %% ../nbs/30_analysis.ipynb #eb1879ea
 def _welch(a: Sequence[float], b: Sequence[float]) -> tuple[float, float, str]:
-    from scipy import stats
     a, b = np.asarray(a, float), np.asarray(b, float)
     if len(a) < 2 or len(b) < 2:
         return float('nan'), float('nan'), f"Welch test needs at least 2 values per group (have {len(a)} and {len(b)})"
@@ -186,6 +194,7 @@ def _welch(a: Sequence[float], b: Sequence[float]) -> tuple[float, float, str]:
     t, p = stats.ttest_ind(a, b, equal_var=False)
     return float(t), float(p), ''
 
+# %% ../nbs/30_analysis.ipynb #ad98db23
 def verification_paradox(records: pd.DataFrame) -> pd.DataFrame:
     "Per iteration and over all iterations ('all'): mean verification score of ever- vs never-correct problems, Δ = never − ever, Welch t and p."
     ever = records.groupby('problem_id')['correct'].any()
@@ -218,6 +227,7 @@ def unique_guidelines(banks: pd.DataFrame) -> pd.DataFrame:
                          'items': [len(x) for x in last['items']],
                          'unique_guidelines': [len({_norm(s) for s in x if str(s).strip()}) for x in last['items']]})
 
+# %% ../nbs/30_analysis.ipynb #04a9d481
 ITEM_KINDS = {'Proposition': 'n_pos', 'Pitfall': 'n_neg', 'Anchor': 'n_anchor', 'Heuristic': 'n_heuristic'}
 "Item prefixes in banks.parquet and the count each goes to."
 
@@ -248,6 +258,7 @@ def pareto_front(df: pd.DataFrame, x: str, y: str, minimize_x: bool = True, maxi
         keep.append(not dom.any())
     return pd.Series(keep, index=df.index, name='pareto')
 
+# %% ../nbs/30_analysis.ipynb #b715183a
 def significance_vs_baseline(values_a: Sequence[float], values_b: Sequence[float]) -> dict:
     "Mean ± std (ddof=1) of repeated runs of a method (a) and a baseline (b), the difference, Welch's t and p-value."
     a = np.asarray([v for v in values_a if v is not None and np.isfinite(v)], float)

@@ -85,28 +85,17 @@ COMMANDS = {   # command: (module:function that adds its flags, help, descriptio
 
 
 # %% ../nbs/99_cli.ipynb #c1a2b3d4
-_LEGACY = {'tmas_nb.replay.build:build_cli': ('add_build_cli', ['build']), 'tmas_nb.grading:grade_cli': ('add_cli', ['grade']),
-           'tmas_nb.runs:run_cli': ('add_cli', ['run']), 'tmas_nb.runs:summary_cli': ('add_cli', ['runs', 'summary']),
-           'tmas_nb.rl:data_cli': ('add_cli', ['rl', 'data']), 'tmas_nb.rl:train_cli': ('add_cli', ['rl', 'train']),
-           'tmas_nb.discovery:discover_cli': ('add_cli', ['discover']), 'tmas_nb.fetch:fetch_cli': ('add_cli', ['data', 'fetch']),
-           'tmas_nb.fetch:list_cli': ('add_cli', ['data', 'list']), 'tmas_nb.fetch:mirror_cli': ('add_cli', ['data', 'mirror'])}
-
-def _legacy(mod, fn, path):
-    def add(sub):
-        tmp = argparse.ArgumentParser(); s = tmp.add_subparsers()
-        getattr(mod, fn)(s)
-        leaf = s.choices[path[0]]
-        for name in path[1:]: leaf = next(a for a in leaf._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
-        for a in leaf._actions:
-            if a.dest != 'help': sub._add_action(a)
-        sub.set_defaults(**leaf._defaults)
-    return add
-
 def _flags_of(target: str):
     "The function named by 'module:function'."
     mod, fn = target.split(':')
     m = importlib.import_module(mod)
-    if not hasattr(m, fn) and target in _LEGACY: return _legacy(m, *_LEGACY[target])
+    if fn == 'build_cli' and not hasattr(m, fn):                                   # TEMPORARY
+        def add(sub):
+            tmp = argparse.ArgumentParser().add_subparsers(); m.add_build_cli(tmp); leaf = tmp.choices['build']
+            for a in leaf._actions:
+                if a.dest != 'help': sub._add_action(a)
+            sub.set_defaults(**leaf._defaults)
+        return add
     return getattr(m, fn)
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 
 from .core import atomic_write_json, atomic_write_text, folder_lock, json_ready
+from .settings import SandboxSettings, add_settings, resolve
 from .llm.core import LLM, Request, run_sync
 from .replay.store import ReplayStore, load_store, load_store_file
 from .replay.evaluation import evaluate, table_controllers
@@ -20,7 +21,8 @@ from .replay.evaluation import evaluate, table_controllers
 __all__ = ['CLASS_NAME', 'ENVIRONMENT_API', 'EXAMPLE_CONTROLLER', 'BETAS', 'PROPOSER_SYSTEM', 'CRITIC_SYSTEM', 'extract_code',
            'staircase_auc', 'pareto_front', 'sc_ks', 'baseline_curves', 'store_budget', 'synthetic_store',
            'history_text', 'proposer_prompt', 'critic_prompt', 'failure_traces', 'DiscoveryConfig', 'resolve_store',
-           'class_fingerprint', 'run_round', 'heldout_table', 'run_discovery', 'ScriptedLLM', 'make_llm', 'add_cli']
+           'class_fingerprint', 'run_round', 'heldout_table', 'run_discovery', 'ScriptedLLM', 'make_llm',
+           'discover_cli']
 
 # %% ../nbs/40_discovery.ipynb #a9685757
 CLASS_NAME = 'DiscoveredController'
@@ -429,14 +431,15 @@ def make_llm(model_or_url: str, base_url: str | None = None, api_key: str | None
 def _cmd_discover(args) -> int:
     from tmas_nb.llm.cache import CachedLLM
     split = lambda s: [x.strip() for x in (s or '').split(',') if x.strip()]
+    sb = resolve(SandboxSettings, args=args)
     cfg = DiscoveryConfig(rounds=args.rounds, train=split(args.train), heldout=split(args.heldout), proposer=args.proposer,
-                          critic=args.critic, seeds=args.seeds, timeout=args.timeout, memory_mb=args.memory_mb,
-                          sandbox=not args.no_sandbox, max_new_tokens=args.max_new_tokens, seed=args.seed)
+                          critic=args.critic, seeds=args.seeds, timeout=sb.timeout, memory_mb=sb.memory_mb,
+                          sandbox=sb.sandbox, max_new_tokens=args.max_new_tokens, seed=args.seed)
     out = Path(args.out)
     with folder_lock(out, 'discovery folder'):   # before the caches are opened; run_discovery holds it on
         proposer = CachedLLM(make_llm(args.proposer, args.base_url, args.api_key, args.threads), out)
         critic = CachedLLM(make_llm(args.critic, args.base_url, args.api_key, args.threads), out) if args.critic else None
-        try: s = run_discovery(proposer, cfg, out, critic=critic, data_dir=args.data_dir)
+        try: s = run_discovery(proposer, cfg, out, critic=critic, data_dir=args.data_dir, progress=not args.quiet)
         finally:
             proposer.close()
             if critic: critic.close()
@@ -445,12 +448,8 @@ def _cmd_discover(args) -> int:
     return 0
 
 # %% ../nbs/40_discovery.ipynb #133dd4e6
-def add_cli(sub) -> None:
-    "Add `tmas discover`."
-    p = sub.add_parser('discover', help='AutoTTS discovery loop: an LLM writes controllers, scored in the replay sandbox',
-                       description='Each round the proposer writes a beta-parameterised controller file, which is evaluated in the '
-                                   'sandbox on the training stores over beta in 0..1, scored against SC and CMC, and reviewed by a '
-                                   'critic call. The best file is evaluated on the held-out stores. Rerun the same command to resume.')
+def discover_cli(p) -> None:
+    "The flags of `tmas discover`."
     p.add_argument('--proposer', required=True, metavar='MODEL_OR_URL', help='packaged model (default, smollm2), local/hub model, or server URL')
     p.add_argument('--critic', default=None, help='critic model (default: the proposer)')
     p.add_argument('--base-url', default=None, help='OpenAI-compatible server for the proposer (and critic)')
@@ -460,11 +459,10 @@ def add_cli(sub) -> None:
     p.add_argument('--heldout', default='', help='held-out stores, comma-separated')
     p.add_argument('--out', required=True, help='run folder (resumable)')
     p.add_argument('--seeds', type=int, default=10, help='branch orders per evaluation (default 10)')
-    p.add_argument('--timeout', type=float, default=60.0, help='seconds per sandboxed evaluation (default 60)')
-    p.add_argument('--memory-mb', type=int, default=2048, help='memory limit of the sandbox (default 2048)')
-    p.add_argument('--no-sandbox', action='store_true', help='run proposals without the sandbox (trusted proposers only)')
+    add_settings(p, SandboxSettings, skip=('api', 'jobs', 'stateless'), title='the sandbox')
     p.add_argument('--max-new-tokens', type=int, default=1024, help='length cap of a proposal (default 1024)')
     p.add_argument('--seed', type=int, default=0, help='sampling seed of the proposer (default 0)')
     p.add_argument('--threads', type=int, default=None, help='torch CPU threads for a local model')
     p.add_argument('--data-dir', default=None, help='data folder (default: $TMAS_DATA_DIR)')
+    p.add_argument('--quiet', action='store_true', help='no progress bar')
     p.set_defaults(func=_cmd_discover)

@@ -9,11 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .core import check_data_folder, find_data_dir, sha256_file, user_data_dir
+from .settings import deprecated_alias
 
 # %% auto #0
 __all__ = ['RAW_BASE', 'AUTOTTS', 'SUPERHUMAN', 'REGISTRY', 'Source', 'DataFile', 'Dataset', 'resolve_names', 'file_state',
            'DataFetchError', 'ChecksumError', 'Downloader', 'find_local', 'copy_verified', 'make_mirror', 'fetch',
-           'fetch_command', 'list_datasets', 'dataset_of', 'fetch_hint', 'data_subcommands', 'add_cli']
+           'fetch_command', 'list_datasets', 'dataset_of', 'fetch_hint', 'fetch_cli', 'list_cli', 'mirror_cli']
 
 # %% ../nbs/18_data_fetch.ipynb #16a9ce8d
 RAW_BASE = 'https://raw.githubusercontent.com'
@@ -219,7 +220,7 @@ def _download(self: Downloader, url: str, dest, size: int | None = None, sha256:
                     part.unlink(missing_ok=True)
                     raise ChecksumError(f"{url}: the server's file is {e.size} bytes long, but {dest} is pinned to {size} bytes "
                                         f"(an error page or a truncated copy); nothing was kept. Fetch from a server that holds "
-                                        f"the pinned version (--base-url) or from a local copy (--from)") from None
+                                        f"the pinned version (--mirror) or from a local copy (--from)") from None
                 except (_Retry, httpx.TransportError) as e:
                     grown = part.exists() and part.stat().st_size > offset
                     attempt, tries = (1 if grown else attempt + 1), tries + 1
@@ -227,7 +228,7 @@ def _download(self: Downloader, url: str, dest, size: int | None = None, sha256:
                         kept = part.stat().st_size if part.exists() else 0
                         tail = f"; the next run resumes from byte {kept}" if kept else ''
                         raise DataFetchError(f"cannot download {url}: {_one_line(e)} ({tries} attempts){tail}. Check the network "
-                                             f"connection, or fetch from a mirror with --base-url or TMAS_DATA_MIRROR") from None
+                                             f"connection, or fetch from a mirror with --mirror or TMAS_DATA_MIRROR") from None
                     if bar is not None and not bar.disable: bar.write(f"{url}: {_one_line(e)}; retrying")
                     time.sleep(self.delay(attempt)); continue
             got = part.stat().st_size
@@ -367,24 +368,13 @@ def fetch_hint(relpath: str) -> str:
     if ds is None: return "`tmas data list` shows the data sets and how to get them."
     return f"Get it with `{fetch_command(ds)}`" + (f" ({ds.note})." if ds.source is None and ds.note else '.')
 
-# %% ../nbs/18_data_fetch.ipynb #916d4d14
-def data_subcommands(sub) -> argparse._SubParsersAction:
-    "The subparsers of the `tmas data` group (created on first use); add a subcommand with `data_subcommands(sub).add_parser(...)`."
-    p = sub.choices.get('data')
-    if p is None:
-        p = sub.add_parser('data', help='get and check the public data sets (AutoTTS replay stores, benchmarks)',
-                           description='Download the public data sets, pinned to a commit and a sha256 per file, and check them.')
-        p.data_subcommands = p.add_subparsers(dest='data_command', metavar='SUBCOMMAND')
-        p.data_subcommands.required = True
-    return p.data_subcommands
-
 # %% ../nbs/18_data_fetch.ipynb #7f981c13
 def _size(n: int) -> str: return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.0f} kB"
 
 def _cmd_fetch(args) -> int:
     dest = Path(args.dest).expanduser() if args.dest else user_data_dir()
     dl = Downloader(retries=args.retries, timeout=args.timeout, progress=not args.quiet)
-    res = fetch(args.names, dest, args.base_url, args.from_path, dl)
+    res = fetch(args.names, dest, args.mirror, args.from_path, dl)
     for name, files in res.items():
         n = {s: sum(v == s for v in files.values()) for s in ('downloaded', 'copied', 'present')}
         got = ', '.join(f'{v} {k}' for k, v in n.items() if v)
@@ -415,34 +405,32 @@ def _cmd_list(args) -> int:
 def _cmd_mirror(args) -> int:
     made = make_mirror(args.out, args.names or ['all'], args.data_dir, copy=args.copy)
     print(f"{len(made)} files laid out under {args.out}; serve it (e.g. `python -m http.server -d {args.out}`) and fetch "
-          f"with --base-url")
+          f"with --mirror")
     return 0
 
-def add_cli(sub) -> None:
-    "Add `tmas data fetch`, `tmas data list` and `tmas data mirror` to the `tmas` parser."
-    ds = data_subcommands(sub)
+def fetch_cli(f) -> None:
+    "The flags of `tmas data fetch`."
     names = ', '.join([*REGISTRY, 'all'])
-    f = ds.add_parser('fetch', help='download data sets, pinned and verified (`tmas data list` shows them)',
-                      description=f'Download data sets into the user data folder (or --dest), verify each file against its '
-                                  f'pinned sha256 and rename it into place. NAME: {names}.')
     f.add_argument('names', nargs='+', metavar='NAME', help=f'data sets to fetch: {names}')
     f.add_argument('--dest', default=None, metavar='DIR', help=f'data folder to fill (default: the user data folder, {user_data_dir()})')
-    f.add_argument('--base-url', default=None, metavar='URL',
+    f.add_argument('--mirror', default=None, metavar='URL',
                    help=f'mirror keeping the layout <base>/<owner>/<repo>/<commit>/<path> (default: $TMAS_DATA_MIRROR or {RAW_BASE})')
+    deprecated_alias(f, '--base-url', '--mirror', 'mirror')
     f.add_argument('--from', dest='from_path', default=None, metavar='PATH',
                    help='copy from a local file or folder instead of downloading (checked against the pinned sha256)')
     f.add_argument('--retries', type=int, default=4, help='further attempts after a failed connection (default 4)')
     f.add_argument('--timeout', type=float, default=30.0, help='seconds without data before an attempt fails (default 30)')
     f.add_argument('--quiet', action='store_true', help='no progress bar')
     f.set_defaults(func=_cmd_fetch)
-    l = ds.add_parser('list', help='the data sets: source, licence, size, and whether they are present and verified')
+
+def list_cli(l) -> None:
+    "The flags of `tmas data list`."
     l.add_argument('--data-dir', default=None, metavar='DIR', help='data folder to check (default: the one the package reads)')
     l.add_argument('--json', action='store_true', help='print JSON')
     l.set_defaults(func=_cmd_list)
-    m = ds.add_parser('mirror', help='lay out local data as a mirror (<owner>/<repo>/<commit>/<path>) for --base-url',
-                      description='Lay out the verified files of a data folder as <OUT>/<owner>/<repo>/<commit>/<path> (symlinks '
-                                  'unless --copy); serve OUT with any static web server, e.g. `python -m http.server -d OUT`, '
-                                  'and fetch elsewhere with `tmas data fetch NAME --base-url http://HOST:PORT`.')
+
+def mirror_cli(m) -> None:
+    "The flags of `tmas data mirror`."
     m.add_argument('out', metavar='OUT', help='folder to write the mirror into')
     m.add_argument('names', nargs='*', default=['all'], metavar='NAME', help='data sets to mirror (default: all)')
     m.add_argument('--data-dir', default=None, metavar='DIR', help='data folder to mirror (default: the one the package reads)')

@@ -16,7 +16,7 @@ __all__ = ['MAX_LOG_CHARS', 'MAX_PARTS', 'DEFAULT_TIMEOUT', 'JUDGE_PROMPT', 'JUD
            'extract_answer', 'clean_answer', 'answer_kind', 'normalize_text', 'text_equal', 'choice_equal',
            'split_parts', 'math_equal_job', 'start_pool', 'shutdown_pool', 'check_timeout', 'GradeResult',
            'grade_many_detail', 'grade_many', 'grade_detail', 'grade', 'parse_verdict', 'judge_messages', 'judge',
-           'pass_at_1', 'add_cli']
+           'pass_at_1', 'grade_cli']
 
 # %% ../nbs/16_grading.ipynb #290e9f49
 _BOX_CMD = re.compile(r'\\(?:boxed|fbox)(?![A-Za-z])')
@@ -484,11 +484,8 @@ def _cmd_grade(args) -> int:
     print(json.dumps(r.to_dict(), ensure_ascii=False) if args.json else ('true' if r.correct else 'false'))
     return 0
 
-def add_cli(subparsers):
-    "Add the `grade` command to an argparse subparsers object."
-    p = subparsers.add_parser('grade', help='check a prediction against a reference answer; prints true/false',
-                              description='Extract the final answer from a prediction (the last \\boxed{}, else an '
-                                          '"answer is" line) and compare it with the reference answer.')
+def grade_cli(p) -> None:
+    "The flags of `tmas grade`."
     p.add_argument('--gold', required=True, help='the reference answer, e.g. "$\\frac{1}{2}$"')
     p.add_argument('--pred', required=True, help="the prediction text (a model output), or '-' to read it from stdin")
     p.add_argument('--finish-reason', default=None, choices=['stop', 'length'],
@@ -498,4 +495,3 @@ def add_cli(subparsers):
     p.add_argument('--timeout', type=float, default=DEFAULT_TIMEOUT, help='seconds allowed for one comparison')
     p.add_argument('--json', action='store_true', help='print the full verdict as JSON')
     p.set_defaults(func=_cmd_grade)
-    return p

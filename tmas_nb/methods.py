@@ -10,6 +10,10 @@ from dataclasses import dataclass, field, asdict, fields
 from pathlib import Path
 from typing import Any, Sequence
 
+import pandas as pd
+from fastcore.basics import patch
+from tqdm.auto import tqdm
+
 from .core import atomic_write_json
 from .llm.core import LLM, Completion
 from .agents import (SamplingConfig, AgentContext, TMAS_ROLE_SAMPLING, DISTILL_MAX_CHARS, Verification, MemoryUpdate, MeteredLLM, derive_rng, is_fully_verified,
@@ -17,14 +21,14 @@ from .agents import (SamplingConfig, AgentContext, TMAS_ROLE_SAMPLING, DISTILL_M
                             sample, self_refine, verify_refine, pacore, apply_distillation)
 from .memory import (ExperienceBank, GuidelineBank, RSEBank, HashingEmbedder, TMAS_DEDUP_THRESHOLD,
                             RSE_DEDUP_THRESHOLD)
-from .grading import extract_answer, clean_answer
+from .grading import extract_answer, clean_answer, grade_many_detail
 from .data import Problem
 
 # %% auto #0
 __all__ = ['EMBEDDERS', 'RECORD_COLUMNS', 'METHODS', 'MethodConfig', 'TMASConfig', 'RSEConfig', 'BaselineConfig', 'candidate',
            'problem_category', 'records_frame', 'StepResult', 'Method', 'TMAS', 'RSE', 'Sampling', 'answer_clusters',
            'majority_answer', 'MajorityVote', 'SelfRefine', 'VerifyRefine', 'PaCoRe', 'make_method', 'problem_dir_name',
-           'checkpoint_path', 'bank_path', 'bank_items', 'read_checkpoints', 'run_problem', 'read_problem_checkpoints',
+           'checkpoint_path', 'bank_path', 'bank_items', 'read_checkpoints', 'read_problem_checkpoints', 'run_problem',
            'run_method']
 
 # %% ../nbs/23_methods.ipynb #7b608a4b
@@ -56,43 +60,53 @@ class MethodConfig:
         self.role_sampling = merged if isinstance(self.role_sampling, dict) else self.role_sampling
         self.validate()
 
-    def validate(self):
-        "Raise `ValueError` naming the field and the fix when a setting is out of range."
-        name = type(self).__name__
-        def bad(f, why): raise ValueError(f"{name}.{f}: {why}")
-        for f in ('n_candidates', 'iterations'):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1: bad(f, f"must be an integer >= 1, got {v!r}")
-        if not isinstance(self.seed, int) or self.seed < 0: bad('seed', f"must be an integer >= 0, got {self.seed!r}")
-        if not isinstance(self.memory_retries, int) or self.memory_retries < 0: bad('memory_retries', f"must be an integer >= 0, got {self.memory_retries!r}")
-        if self.embedder not in EMBEDDERS: bad('embedder', f"is {self.embedder!r}; use one of {EMBEDDERS}")
-        if not isinstance(self.templates, dict): bad('templates', "must be a dict {template name: text}")
-        self.sampling()
-        return self
+# %% ../nbs/23_methods.ipynb #80e3abc2
+@patch
+def validate(self:MethodConfig):
+    "Raise `ValueError` naming the field and the fix when a setting is out of range."
+    name = type(self).__name__
+    def bad(f, why): raise ValueError(f"{name}.{f}: {why}")
+    for f in ('n_candidates', 'iterations'):
+        v = getattr(self, f)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1: bad(f, f"must be an integer >= 1, got {v!r}")
+    if not isinstance(self.seed, int) or self.seed < 0: bad('seed', f"must be an integer >= 0, got {self.seed!r}")
+    if not isinstance(self.memory_retries, int) or self.memory_retries < 0: bad('memory_retries', f"must be an integer >= 0, got {self.memory_retries!r}")
+    if self.embedder not in EMBEDDERS: bad('embedder', f"is {self.embedder!r}; use one of {EMBEDDERS}")
+    if not isinstance(self.templates, dict): bad('templates', "must be a dict {template name: text}")
+    self.sampling()
+    return self
 
-    def sampling(self) -> SamplingConfig:
-        "The `SamplingConfig` of every agent call of the run (checked for every role it overrides)."
-        s = SamplingConfig(self.temperature, self.top_p, self.top_k, self.max_new_tokens, self.seed, self.enable_thinking,
-                           roles=dict(self.role_sampling or {}))
-        for role in ['solution', *s.roles]:
-            try: s.request([{'role': 'user', 'content': 'x'}], role, 'p', 0, 0)
-            except ValueError as e: raise ValueError(f"{type(self).__name__}.role_sampling[{role!r}]: {e}" if role in s.roles else str(e)) from None
-        return s
+# %% ../nbs/23_methods.ipynb #6cd73b2b
+@patch
+def sampling(self:MethodConfig) -> SamplingConfig:
+    "The `SamplingConfig` of every agent call of the run (checked for every role it overrides)."
+    s = SamplingConfig(self.temperature, self.top_p, self.top_k, self.max_new_tokens, self.seed, self.enable_thinking,
+                       roles=dict(self.role_sampling or {}))
+    for role in ['solution', *s.roles]:
+        try: s.request([{'role': 'user', 'content': 'x'}], role, 'p', 0, 0)
+        except ValueError as e: raise ValueError(f"{type(self).__name__}.role_sampling[{role!r}]: {e}" if role in s.roles else str(e)) from None
+    return s
 
-    def make_embedder(self):
-        "The embedder of the memory banks: None (all-MiniLM-L6-v2, loaded on first use) or a `HashingEmbedder`."
-        return HashingEmbedder() if self.embedder == 'hashing' else None
+# %% ../nbs/23_methods.ipynb #31af8db5
+@patch
+def make_embedder(self:MethodConfig):
+    "The embedder of the memory banks: None (all-MiniLM-L6-v2, loaded on first use) or a `HashingEmbedder`."
+    return HashingEmbedder() if self.embedder == 'hashing' else None
 
-    def to_dict(self) -> dict: return asdict(self)
+# %% ../nbs/23_methods.ipynb #3074f959
+@patch
+def to_dict(self:MethodConfig) -> dict: return asdict(self)
 
-    @classmethod
-    def from_dict(cls, d: dict, where: str = 'config') -> MethodConfig:
-        "A config from a dict; an unknown key is an error that lists the known ones."
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown: raise ValueError(f"{where}: unknown setting(s) {unknown} for {cls.__name__}; known settings: {sorted(names)}")
-        return cls(**d)
+# %% ../nbs/23_methods.ipynb #9ec1d711
+@patch(cls_method=True)
+def from_dict(cls:MethodConfig, d: dict, where: str = 'config') -> MethodConfig:
+    "A config from a dict; an unknown key is an error that lists the known ones."
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown: raise ValueError(f"{where}: unknown setting(s) {unknown} for {cls.__name__}; known settings: {sorted(names)}")
+    return cls(**d)
 
+# %% ../nbs/23_methods.ipynb #28624f00
 @dataclass
 class TMASConfig(MethodConfig):
     "TMAS: N candidates, M verifications each, T iterations, exploration probability ε, two memory banks."
@@ -121,6 +135,7 @@ class TMASConfig(MethodConfig):
     M = property(lambda self: self.n_verifications)
     T = property(lambda self: self.iterations)
 
+# %% ../nbs/23_methods.ipynb #f31fe782
 @dataclass
 class RSEConfig(MethodConfig):
     "RSE: R rounds of K rollouts; each rollout is distilled into the bank that the next round's system prompt carries."
@@ -139,6 +154,7 @@ class RSEConfig(MethodConfig):
     K = property(lambda self: self.n_candidates)
     R = property(lambda self: self.iterations)
 
+# %% ../nbs/23_methods.ipynb #2fea4f51
 @dataclass
 class BaselineConfig(MethodConfig):
     "Sampling, majority vote, Self-Refine, Verify-Refine and PaCoRe-style rounds."
@@ -170,15 +186,16 @@ def candidate(branch: str, completion: Completion | None = None, solution: str |
             'fully_verified': is_fully_verified(v.scores, n_verifications), 'summary': summary,
             'completion_tokens': int(completion.completion_tokens) if completion is not None else 0}
 
+# %% ../nbs/23_methods.ipynb #96da7e9e
 def problem_category(problem: Problem) -> str | None:
     "The problem's category (IMO-AnswerBench's `Category`), else None."
     for k in ('Category', 'category'):
         if problem.meta.get(k) not in (None, ''): return str(problem.meta[k])
     return None
 
+# %% ../nbs/23_methods.ipynb #4536d902
 def records_frame(records):
     "The records (dicts or a DataFrame) with `RECORD_COLUMNS` first, in order and with fixed types, then any other columns of a DataFrame (the judge columns of `tmas judge`) as they are."
-    import pandas as pd
     df = records.copy() if isinstance(records, pd.DataFrame) else pd.DataFrame(list(records), columns=list(RECORD_COLUMNS))
     df = df[list(RECORD_COLUMNS) + [c for c in df.columns if c not in RECORD_COLUMNS]]
     for col, kind in RECORD_COLUMNS.items():
@@ -198,6 +215,7 @@ class StepResult:
     done: bool = False
     memory: list[MemoryUpdate] = field(default_factory=list)
 
+# %% ../nbs/23_methods.ipynb #6abfad53
 class Method:
     "Base class: a method's configuration, memory banks, state and per-iteration step."
     name: str = ''
@@ -248,34 +266,38 @@ class TMAS(Method):
     def load_bank(self, name, path):
         return {'experience': ExperienceBank, 'guideline': GuidelineBank}[name].load(path, embedder=self.embedder)
 
-    def branch(self, problem_id: str, iteration: int, candidate: int) -> str:
-        "'explore' with probability ε, else 'exploit' (a reproducible draw)."
-        u = derive_rng(self.config.seed, problem_id, iteration, candidate, 'branch').random()
-        return 'explore' if u < self.config.epsilon else 'exploit'
+# %% ../nbs/23_methods.ipynb #d740c5b6
+@patch
+def branch(self:TMAS, problem_id: str, iteration: int, candidate: int) -> str:
+    "'explore' with probability ε, else 'exploit' (a reproducible draw)."
+    u = derive_rng(self.config.seed, problem_id, iteration, candidate, 'branch').random()
+    return 'explore' if u < self.config.epsilon else 'exploit'
 
-    async def step(self, llm, problem, state, banks, iteration):
-        c, ctx = self.config, self.context(problem, iteration)
-        exp, guide = banks.get('experience'), banks.get('guideline')
-        branches = [self.branch(problem.id, iteration, k) for k in range(c.n_candidates)]
-        async def one(k, b):   # each candidate runs its own chain, so reviews start as soon as its solution is done
-            x = await solve(llm, ctx, k, mode=b, rollouts=state['rollouts'], experience=exp,
-                            guidelines=guide.texts() if guide is not None else (), max_rollouts=c.max_rollouts)
-            v = await verify(llm, ctx, x.final_response, k, c.n_verifications)
-            return x, v, await summarize(llm, ctx, x.final_response, v, k, c.summary_words)
-        sols, vers, sums = zip(*await asyncio.gather(*[one(k, b) for k, b in enumerate(branches)]))
-        cands = [candidate(b, x, verification=v, n_verifications=c.n_verifications, summary=sm)
-                 for b, x, v, sm in zip(branches, sols, vers, sums)]
-        rollouts = [{'solution': x.final_response, 'summary': sm, 'score': v.mean_score} for x, v, sm in zip(sols, vers, sums)]
-        done = c.early_stop and any(x['fully_verified'] for x in cands)
-        memory = []
-        if not done and (not self.is_last(iteration) or c.update_memory_after_last):
-            jobs = []
-            if exp is not None and c.n_verifications > 0:
-                jobs.append(update_experience(llm, ctx, rollouts, exp, c.memory_retries))
-            if guide is not None:
-                jobs.append(update_guidelines(llm, ctx, rollouts, guide, c.memory_retries))
-            memory = list(await asyncio.gather(*jobs))
-        return StepResult(cands, {'rollouts': rollouts}, done, memory)
+# %% ../nbs/23_methods.ipynb #06b878bb
+@patch
+async def step(self:TMAS, llm, problem, state, banks, iteration):
+    c, ctx = self.config, self.context(problem, iteration)
+    exp, guide = banks.get('experience'), banks.get('guideline')
+    branches = [self.branch(problem.id, iteration, k) for k in range(c.n_candidates)]
+    async def one(k, b):   # each candidate runs its own chain, so reviews start as soon as its solution is done
+        x = await solve(llm, ctx, k, mode=b, rollouts=state['rollouts'], experience=exp,
+                        guidelines=guide.texts() if guide is not None else (), max_rollouts=c.max_rollouts)
+        v = await verify(llm, ctx, x.final_response, k, c.n_verifications)
+        return x, v, await summarize(llm, ctx, x.final_response, v, k, c.summary_words)
+    sols, vers, sums = zip(*await asyncio.gather(*[one(k, b) for k, b in enumerate(branches)]))
+    cands = [candidate(b, x, verification=v, n_verifications=c.n_verifications, summary=sm)
+             for b, x, v, sm in zip(branches, sols, vers, sums)]
+    rollouts = [{'solution': x.final_response, 'summary': sm, 'score': v.mean_score} for x, v, sm in zip(sols, vers, sums)]
+    done = c.early_stop and any(x['fully_verified'] for x in cands)
+    memory = []
+    if not done and (not self.is_last(iteration) or c.update_memory_after_last):
+        jobs = []
+        if exp is not None and c.n_verifications > 0:
+            jobs.append(update_experience(llm, ctx, rollouts, exp, c.memory_retries))
+        if guide is not None:
+            jobs.append(update_guidelines(llm, ctx, rollouts, guide, c.memory_retries))
+        memory = list(await asyncio.gather(*jobs))
+    return StepResult(cands, {'rollouts': rollouts}, done, memory)
 
 # %% ../nbs/23_methods.ipynb #9e5c2346
 class RSE(Method):
@@ -304,6 +326,7 @@ class Sampling(Method):
         cs = await sample(llm, self.context(problem, iteration), self.config.n_candidates)
         return StepResult([candidate('sample', x) for x in cs], {})
 
+# %% ../nbs/23_methods.ipynb #e3e58cb5
 def answer_clusters(answers: Sequence[str | None]) -> list[int | None]:
     "Per answer, the number of its cluster of mathematically equivalent answers (the grader decides); None for no answer."
     keys = [clean_answer(a) if a else None for a in answers]
@@ -314,7 +337,6 @@ def answer_clusters(answers: Sequence[str | None]) -> list[int | None]:
         while parent[x] != x: x = parent[x]
         return x
     if pairs:
-        from tmas_nb.grading import grade_many_detail
         same = grade_many_detail(['\\boxed{' + distinct[j] + '}' for _, j in pairs], [distinct[i] for i, _ in pairs], progress=False)
         for (i, j), r in zip(pairs, same):
             if r.correct:
@@ -323,6 +345,7 @@ def answer_clusters(answers: Sequence[str | None]) -> list[int | None]:
     head = {k: root(n) for n, k in enumerate(distinct)}
     return [head[k] if k else None for k in keys]
 
+# %% ../nbs/23_methods.ipynb #1e3721a9
 def majority_answer(texts: Sequence[str], finish_reasons: Sequence[str] | None = None) -> tuple[int | None, str | None]:
     "(index of the first text whose answer's equivalence cluster is the largest, its answer); (None, None) when no text has one."
     frs = list(finish_reasons) if finish_reasons is not None else [None] * len(texts)
@@ -333,6 +356,9 @@ def majority_answer(texts: Sequence[str], finish_reasons: Sequence[str] | None =
     top = max(counts.values())
     i = next(i for i, k in enumerate(clusters) if k is not None and counts[k] == top)
     return i, answers[i]
+
+# %% ../nbs/23_methods.ipynb #9d83b91f
+_GRADE_LOCK = threading.Lock()
 
 def _locked_majority(texts, finish_reasons):
     with _GRADE_LOCK: return majority_answer(texts, finish_reasons)
@@ -354,6 +380,7 @@ class MajorityVote(Method):
         rec = candidate('majority', None, solution=text); rec['finish_reason'] = fr
         return StepResult([rec], state, True)
 
+# %% ../nbs/23_methods.ipynb #3bf4580e
 class SelfRefine(Method):
     "N samples, then each refined by the model on its own in every further iteration."
     name = 'self-refine'
@@ -367,6 +394,7 @@ class SelfRefine(Method):
             branch = 'refine'
         return StepResult([candidate(branch, x) for x in cs], {'solutions': [x.final_response for x in cs]})
 
+# %% ../nbs/23_methods.ipynb #da72a0c7
 class VerifyRefine(Method):
     "N samples, reviewed; each then corrected with its reviews as feedback and reviewed again."
     name = 'verify-refine'
@@ -386,6 +414,7 @@ class VerifyRefine(Method):
         cands = [candidate(branch, x, verification=v, n_verifications=c.n_verifications) for x, v in zip(cs, vers)]
         return StepResult(cands, {'solutions': [x.final_response for x in cs], 'feedback': [v.texts for v in vers]})
 
+# %% ../nbs/23_methods.ipynb #ac2a2a70
 class PaCoRe(Method):
     "Rounds of N solutions, each round seeing the previous round's solutions as references."
     name = 'pacore'
@@ -398,6 +427,7 @@ class PaCoRe(Method):
             branch = 'pacore'
         return StepResult([candidate(branch, x) for x in cs], {'solutions': [x.final_response for x in cs]})
 
+# %% ../nbs/23_methods.ipynb #667ceb6b
 METHODS: dict[str, type[Method]] = {m.name: m for m in (TMAS, RSE, Sampling, MajorityVote, SelfRefine, VerifyRefine, PaCoRe)}
 "Every method by its command-line name."
 
@@ -416,18 +446,22 @@ def problem_dir_name(problem_id: str) -> str:
     clean = re.sub(r'[^A-Za-z0-9._-]+', '_', pid).strip('._')[:60] or 'problem'
     return f"{clean}-{hashlib.sha1(pid.encode('utf-8')).hexdigest()[:8]}"
 
+# %% ../nbs/23_methods.ipynb #8a01e0ff
 def checkpoint_path(run_dir, problem_id: str, iteration: int) -> Path:
     return Path(run_dir) / 'checkpoints' / problem_dir_name(problem_id) / f'iter_{iteration}.json'
 
+# %% ../nbs/23_methods.ipynb #f0c3afe6
 def bank_path(run_dir, problem_id: str, bank: str, iteration: int) -> Path:
     return Path(run_dir) / 'banks' / problem_dir_name(problem_id) / f'{bank}_iter_{iteration}.json'
 
+# %% ../nbs/23_methods.ipynb #140d4c07
 def bank_items(name: str, bank) -> list[str]:
     "A bank's contents as a flat list of strings (experience and RSE items carry their list's name)."
     if isinstance(bank, GuidelineBank): return bank.texts()
     prefixes = {'anchors': 'Anchor', 'heuristics': 'Heuristic', 'propositions': 'Proposition', 'pitfalls': 'Pitfall'}
     return [f'{prefixes[l]}: {t}' for l in bank.LISTS for t in bank.texts(l)]
 
+# %% ../nbs/23_methods.ipynb #22cfffa5
 def read_checkpoints(run_dir) -> dict[str, list[dict]]:
     "Every checkpoint of a run, `{problem id: [iteration 0, 1, ...]}`; a gap in the iterations is an error."
     root, out = Path(run_dir) / 'checkpoints', {}
@@ -452,12 +486,27 @@ def read_checkpoints(run_dir) -> dict[str, list[dict]]:
     return out
 
 # %% ../nbs/23_methods.ipynb #a2bc090f
-_GRADE_LOCK = threading.Lock()
-
 def _grade(texts: list[str], golds: list[str], finish_reasons: list[str], extract_truncated: bool = False):
-    from tmas_nb.grading import grade_many_detail
     with _GRADE_LOCK: return grade_many_detail(texts, golds, finish_reasons, progress=False, extract_truncated=extract_truncated)
 
+# %% ../nbs/23_methods.ipynb #c47a7bc0
+def read_problem_checkpoints(run_dir, problem_id: str) -> list[dict]:
+    "The checkpoints of one problem, iteration 0 first (empty when it has none)."
+    d = checkpoint_path(run_dir, problem_id, 0).parent
+    if not d.is_dir(): return []
+    items = []
+    for k in range(10 ** 6):
+        p = d / f'iter_{k}.json'
+        if not p.exists(): break
+        try: items.append(json.loads(p.read_text(encoding='utf-8')))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{p}: not valid JSON ({e.msg}); delete this file to redo that iteration") from None
+        if items[-1].get('problem_id') != str(problem_id):
+            raise ValueError(f"{p}: field 'problem_id' is {items[-1].get('problem_id')!r}, expected {problem_id!r}; "
+                             f"this run folder holds another benchmark's checkpoints")
+    return items
+
+# %% ../nbs/23_methods.ipynb #2042d6eb
 async def run_problem(method: Method, problem: Problem, llm: LLM, run_dir, bar=None) -> list[dict]:
     "Run (or resume) one problem to its last iteration, checkpointing each iteration; returns its records."
     history = read_problem_checkpoints(run_dir, problem.id)
@@ -496,22 +545,7 @@ async def run_problem(method: Method, problem: Problem, llm: LLM, run_dir, bar=N
         if bar is not None: bar.update(method.n_iterations - it - 1 if done else 1)
     return records
 
-def read_problem_checkpoints(run_dir, problem_id: str) -> list[dict]:
-    "The checkpoints of one problem, iteration 0 first (empty when it has none)."
-    d = checkpoint_path(run_dir, problem_id, 0).parent
-    if not d.is_dir(): return []
-    items = []
-    for k in range(10 ** 6):
-        p = d / f'iter_{k}.json'
-        if not p.exists(): break
-        try: items.append(json.loads(p.read_text(encoding='utf-8')))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{p}: not valid JSON ({e.msg}); delete this file to redo that iteration") from None
-        if items[-1].get('problem_id') != str(problem_id):
-            raise ValueError(f"{p}: field 'problem_id' is {items[-1].get('problem_id')!r}, expected {problem_id!r}; "
-                             f"this run folder holds another benchmark's checkpoints")
-    return items
-
+# %% ../nbs/23_methods.ipynb #9c7e4884
 async def run_method(method: str | Method, problems: Sequence[Problem], llm: LLM, config: MethodConfig | dict | None = None,
                      run_dir=None, concurrency: int = 4, progress: bool = True):
     "Run `method` on `problems` with checkpoints in `run_dir` (resuming from them); the records as a DataFrame."
@@ -524,7 +558,6 @@ async def run_method(method: str | Method, problems: Sequence[Problem], llm: LLM
     dup = sorted({i for i in ids if ids.count(i) > 1})
     if dup: raise ValueError(f"run_method: problem ids must be unique; repeated: {dup[:5]}")
     Path(run_dir).mkdir(parents=True, exist_ok=True)
-    from tqdm.auto import tqdm
     bar = tqdm(total=len(problems) * m.n_iterations, desc=f'{m.name} ({len(problems)} problems)',
                unit='problem-iteration', disable=not progress)
     sem = asyncio.Semaphore(concurrency)

@@ -30,6 +30,7 @@ def template_fields(template: str) -> set[str]:
     "The `{name}` fields that appear in `template`."
     return set(_FIELD.findall(template))
 
+# %% ../nbs/20_prompts.ipynb #b4572dad
 def fill(template: str, **fields: Any) -> str:
     "Replace each `{name}` in `template` for which a value is given; every other brace stays as written."
     return _FIELD.sub(lambda m: str(fields[m[1]]) if m[1] in fields else m[0], template)
@@ -43,6 +44,7 @@ REVIEWER_SYSTEM = ("You are a meticulous mathematician who reviews, summarises a
                    "competition problems. You follow the requested output format exactly.")
 "System prompt of the verification, summary, experience, guideline and distillation agents."
 
+# %% ../nbs/20_prompts.ipynb #7db4e4e9
 SOLUTION_PROMPT = r"""Solve the problem below. Work through it step by step, justify every claim that is not obvious, and check your result before you commit to it. End with the final answer written as \boxed{...}.
 
 Problem:
@@ -82,6 +84,7 @@ The approaches below have already been tried on this problem. Do not reuse them:
 {guidelines}"""
 "Context block carrying the guideline bank in explore mode."
 
+# %% ../nbs/20_prompts.ipynb #79ffe48a
 VERIFICATION_PROMPT = r"""Review the proposed solution to the problem below. Check it line by line: the logic of each step, every computation, the cases it covers, and whether the final answer really follows. Solve parts of the problem yourself only where you need to in order to check a claim.
 
 Problem:
@@ -116,6 +119,7 @@ SUMMARY_REVIEW_ITEM = """### Review {index} (score {score})
 {text}"""
 "One verification inside `SUMMARY_PROMPT`."
 
+# %% ../nbs/20_prompts.ipynb #328feb84
 EXPERIENCE_UPDATE_PROMPT = """You keep a bank of experience for a math problem that is being attempted again and again. It holds two kinds of items:
 - verified anchors: specific facts, intermediate results or partial conclusions that the reviews confirm, stated so that a later attempt can rely on them without re-deriving them;
 - error-avoidance heuristics: concrete rules that prevent a mistake seen in the attempts (for example "when dividing by x, treat x = 0 separately").
@@ -152,6 +156,7 @@ Reply with one JSON object and nothing after it:
 {"updated_guidelines": ["..."]}"""
 "Prompt of the guideline agent (TMAS)."
 
+# %% ../nbs/20_prompts.ipynb #87daff7d
 RSE_SYSTEM = r"""You are an expert in competition mathematics. Reason carefully and give the final answer as \boxed{...}.{experience}"""
 "System prompt of an RSE rollout; `{experience}` is empty or `RSE_EXPERIENCE_BLOCK`."
 
@@ -184,6 +189,7 @@ Reply with one JSON object and nothing after it:
 {"verified_propositions": ["..."], "critical_pitfalls": ["..."]}"""
 "Prompt that distils one RSE rollout into propositions and pitfalls."
 
+# %% ../nbs/20_prompts.ipynb #e2c0f88f
 SELF_REFINE_PROMPT = r"""Below are a problem and a solution you wrote earlier. Re-read the solution critically as if someone else had written it, find any errors or gaps, and then write an improved, complete solution. End with the final answer written as \boxed{...}.
 
 Problem:
@@ -214,6 +220,7 @@ References from the previous round:
 {references}"""
 "PaCoRe-style baseline: the previous round's final answers are concatenated as references."
 
+# %% ../nbs/20_prompts.ipynb #a3bb917f
 DEFAULT_TEMPLATES: dict[str, str] = dict(
     solver_system=SOLVER_SYSTEM, reviewer_system=REVIEWER_SYSTEM,
     solution=SOLUTION_PROMPT, refine=REFINE_PROMPT, rollouts_block=ROLLOUTS_BLOCK, rollout_item=ROLLOUT_ITEM,
@@ -258,17 +265,20 @@ def strip_thinking(text: str | None) -> str:
     "The final response of an output (`split_thinking`); '' when it stops inside an unclosed `<think>`."
     return split_thinking(text).response.strip()
 
+# %% ../nbs/20_prompts.ipynb #c19286dc
 def _get(obj: Any, key: str, default: Any = None) -> Any:
     "`obj[key]` for mappings, `obj.key` otherwise, or `default`."
     if isinstance(obj, Mapping): return obj.get(key, default)
     return getattr(obj, key, default)
 
+# %% ../nbs/20_prompts.ipynb #a74d2281
 def _fmt_score(score: Any) -> str:
     if score is None: return 'n/a'
     try: x = float(score)
     except (TypeError, ValueError): return str(score)
     return f'{x:.2f}'.rstrip('0').rstrip('.') if x == x and abs(x) != float('inf') else str(x)
 
+# %% ../nbs/20_prompts.ipynb #82d8e935
 def _bullets(items: Iterable[str], prefix: str = '', empty: str = '(none yet)') -> str:
     lines = [f'- {prefix}{t}' for t in items if t and str(t).strip()]
     return '\n'.join(lines) if lines else empty
@@ -282,6 +292,7 @@ def _texts(items: Iterable[Any] | None) -> list[str]:
         if t is not None and str(t).strip(): out.append(str(t).strip())
     return out
 
+# %% ../nbs/20_prompts.ipynb #2087bc4c
 def experience_lists(experience: Any) -> tuple[list[str], list[str]]:
     "(anchors, heuristics) texts of an experience bank, an object with those lists, or the experience agent's JSON."
     if experience is None: return [], []
@@ -291,6 +302,7 @@ def experience_lists(experience: Any) -> tuple[list[str], list[str]]:
         return _texts(a), _texts(h)
     return _texts(_get(experience, 'anchors', [])), _texts(_get(experience, 'heuristics', []))
 
+# %% ../nbs/20_prompts.ipynb #0ac885ed
 def _as_rng(rng: random.Random | int | None) -> random.Random:
     return rng if isinstance(rng, random.Random) else random.Random(0 if rng is None else rng)
 
@@ -302,6 +314,7 @@ def subsample(items: Sequence[Any], k: int | None, rng: random.Random | int | No
     idx = sorted(_as_rng(rng).sample(range(len(items)), k))
     return [items[i] for i in idx]
 
+# %% ../nbs/20_prompts.ipynb #f0d59936
 def render_rollouts(rollouts: Sequence[Any], templates: Mapping[str, str] | None = None) -> str:
     "Previous rollouts as numbered items (solution after its thinking, reviewers' summary, average score)."
     t = get_templates(templates)
@@ -310,10 +323,12 @@ def render_rollouts(rollouts: Sequence[Any], templates: Mapping[str, str] | None
              for i, r in enumerate(rollouts, 1)]
     return '\n\n'.join(parts)
 
+# %% ../nbs/20_prompts.ipynb #09147e2d
 def _messages(system: str, user: str) -> list[dict[str, str]]:
     msgs = [{'role': 'system', 'content': system}] if system.strip() else []
     return msgs + [{'role': 'user', 'content': user}]
 
+# %% ../nbs/20_prompts.ipynb #ea3a7b8c
 def render_solution_messages(question: str, mode: str = 'exploit', rollouts: Sequence[Any] = (),
                              experience: Any = None, guidelines: Sequence[Any] = (),
                              max_rollouts: int | None = None, rng: random.Random | int | None = None,
@@ -341,13 +356,8 @@ SCORE_SCALE = (0.0, 0.5, 1.0)
 "The verification scale: 0 fatally wrong, 0.5 minor gaps, 1 correct."
 
 _NUM = r'[+-]?(?:\d+(?:\.\d*)?|\.\d+)'
+
 _FRAC = rf'\\[dt]?frac\s*\{{\s*({_NUM})\s*\}}\s*\{{\s*({_NUM})\s*\}}|\\[dt]?frac\s*(\d)(\d)'
-_VALUE = rf'(?:\\boxed\s*\{{\s*(?P<boxed>[^{{}}]*(?:\{{[^{{}}]*\}}[^{{}}]*)*)\}}|(?P<bare>{_NUM}(?:\s*/\s*{_NUM})?))'
-_LEAD = r'''(?:[\s*_:=$"'“]|\\\(|\\\[)*'''   # spaces, emphasis, quotes, $, \( or \[ before a value
-_SCORE_RE = re.compile(
-    r'\b(?:score|grade)\b(?:\s+(?:for|of)\s+(?:this|the)\s+(?:solution|proof|answer|problem))?'
-    rf'[\s*_$]*(?:[:=]|\bis\b|\bwould\s+be\b|\bof\b){_LEAD}(?:an?\s+)?{_LEAD}{_VALUE}', re.IGNORECASE)
-_ALONE_RE = re.compile(rf'{_LEAD}{_VALUE}[\s*_$.)\]\\]*')   # a response that is nothing but the grade
 
 def _score_value(s: str) -> Fraction | None:
     "The number written in `s` (decimal, a/b, or \\frac{a}{b}); None when it is not a plain number."
@@ -365,6 +375,17 @@ def _score_value(s: str) -> Fraction | None:
         return None
     return None
 
+# %% ../nbs/20_prompts.ipynb #5a26873d
+_VALUE = rf'(?:\\boxed\s*\{{\s*(?P<boxed>[^{{}}]*(?:\{{[^{{}}]*\}}[^{{}}]*)*)\}}|(?P<bare>{_NUM}(?:\s*/\s*{_NUM})?))'
+
+_LEAD = r'''(?:[\s*_:=$"'“]|\\\(|\\\[)*'''   # spaces, emphasis, quotes, $, \( or \[ before a value
+
+_SCORE_RE = re.compile(
+    r'\b(?:score|grade)\b(?:\s+(?:for|of)\s+(?:this|the)\s+(?:solution|proof|answer|problem))?'
+    rf'[\s*_$]*(?:[:=]|\bis\b|\bwould\s+be\b|\bof\b){_LEAD}(?:an?\s+)?{_LEAD}{_VALUE}', re.IGNORECASE)
+
+_ALONE_RE = re.compile(rf'{_LEAD}{_VALUE}[\s*_$.)\]\\]*')   # a response that is nothing but the grade
+
 def parse_verification_score(text: str | None) -> float | None:
     "The verifier's grade (0, 0.5 or 1) from its last `Score:` marker; None when absent, unreadable or off the scale."
     body = strip_thinking(text)
@@ -377,6 +398,7 @@ def parse_verification_score(text: str | None) -> float | None:
     if v is None or float(v) not in SCORE_SCALE: return None
     return float(v)
 
+# %% ../nbs/20_prompts.ipynb #faae3d97
 def render_verification_messages(question: str, solution: str,
                                  templates: Mapping[str, str] | None = None) -> list[dict[str, str]]:
     "Chat messages of the verification agent for one candidate (its thinking stripped)."
@@ -409,6 +431,7 @@ def render_experience_messages(question: str, rollouts: Sequence[Any], experienc
     return _messages(t['reviewer_system'], fill(t['experience_update'], question=question,
                                                 rollouts=render_rollouts(rollouts, t) or '(none)', bank=bank))
 
+# %% ../nbs/20_prompts.ipynb #9faf7a9a
 def render_guideline_messages(question: str, rollouts: Sequence[Any], guidelines: Sequence[Any] = (),
                               templates: Mapping[str, str] | None = None) -> list[dict[str, str]]:
     "Chat messages of the guideline agent: current rollouts and the strategies so far in, the updated list as JSON out."
@@ -427,6 +450,7 @@ def rse_lists(bank: Any) -> tuple[list[str], list[str]]:
                 _texts(bank.get('critical_pitfalls', bank.get('pitfalls', []))))
     return _texts(_get(bank, 'propositions', [])), _texts(_get(bank, 'pitfalls', []))
 
+# %% ../nbs/20_prompts.ipynb #7cd5af9f
 def render_rse_messages(question: str, bank: Any = None,
                         templates: Mapping[str, str] | None = None) -> list[dict[str, str]]:
     "Chat messages of one RSE rollout, the bank serialised into the system prompt."
@@ -436,6 +460,7 @@ def render_rse_messages(question: str, bank: Any = None,
                  propositions=_bullets(props, empty='(none)')) if (props or pits) else ''
     return _messages(fill(t['rse_system'], experience=notes), fill(t['rse_rollout'], question=question))
 
+# %% ../nbs/20_prompts.ipynb #10b2184f
 def render_distillation_messages(question: str, solution: str,
                                  templates: Mapping[str, str] | None = None) -> list[dict[str, str]]:
     "Chat messages that distil one RSE rollout into propositions and pitfalls (JSON)."
@@ -451,6 +476,7 @@ def render_self_refine_messages(question: str, solution: str,
     return _messages(t['solver_system'], fill(t['self_refine'], question=question,
                                               solution=strip_thinking(solution) or '(empty solution)'))
 
+# %% ../nbs/20_prompts.ipynb #6fd36b54
 def render_verify_refine_messages(question: str, solution: str, feedback: str | Sequence[str],
                                   templates: Mapping[str, str] | None = None) -> list[dict[str, str]]:
     "Chat messages of the verify-refine baseline; `feedback` is one review or a list of them."
@@ -461,6 +487,7 @@ def render_verify_refine_messages(question: str, solution: str, feedback: str | 
     return _messages(t['solver_system'], fill(t['verify_refine'], question=question,
                                               solution=strip_thinking(solution) or '(empty solution)', feedback=text))
 
+# %% ../nbs/20_prompts.ipynb #5ecc0979
 def render_pacore_messages(question: str, references: Sequence[str], max_references: int | None = None,
                            rng: random.Random | int | None = None,
                            templates: Mapping[str, str] | None = None) -> list[dict[str, str]]:
@@ -471,8 +498,6 @@ def render_pacore_messages(question: str, references: Sequence[str], max_referen
     return _messages(t['solver_system'], fill(t['pacore'], question=question, references=listing))
 
 # %% ../nbs/20_prompts.ipynb #b782834f
-_FENCE = re.compile(r'```[A-Za-z0-9_-]*[ \t]*\n(.*?)```', re.DOTALL)
-
 def _balanced_objects(text: str) -> list[str]:
     "Every top-level balanced `{...}` span of `text`, in order, skipping braces inside JSON strings."
     out, depth, start, in_str, esc = [], 0, None, False, False
@@ -491,6 +516,7 @@ def _balanced_objects(text: str) -> list[str]:
             if depth == 0: out.append(text[start:i + 1])
     return out
 
+# %% ../nbs/20_prompts.ipynb #f03240be
 def _fix_escapes(s: str) -> str:
     "Double backslashes that JSON would reject or that are LaTeX commands mistaken for control escapes."
     out, i, n = [], 0, len(s)
@@ -506,6 +532,7 @@ def _fix_escapes(s: str) -> str:
         out.append('\\\\'); i += 1
     return ''.join(out)
 
+# %% ../nbs/20_prompts.ipynb #baeced58
 def _try_parse(s: str) -> dict | None:
     s = s.strip()
     fixed = _fix_escapes(s)
@@ -519,6 +546,9 @@ def _try_parse(s: str) -> dict | None:
         if isinstance(v, dict): return v
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError): pass
     return None
+
+# %% ../nbs/20_prompts.ipynb #7cdeff14
+_FENCE = re.compile(r'```[A-Za-z0-9_-]*[ \t]*\n(.*?)```', re.DOTALL)
 
 def parse_json_object(text: str | None) -> dict | None:
     "The JSON object a model answered with (fences, prose, trailing commas tolerated); None when nothing parses."

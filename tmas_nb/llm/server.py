@@ -633,8 +633,9 @@ def serve_cli(p) -> None:
     d = ServerLimits
     p.add_argument('--max-n', type=int, default=d.max_n,
                    help=f'refuse (400) requests for more samples than this (default: {d.max_n}; OpenAIBackend then splits its calls)')
-    p.add_argument('--max-tokens', '--max-tokens-limit', dest='max_tokens', type=int, default=None,
+    p.add_argument('--max-tokens', dest='max_tokens', type=int, default=None,
                    help="refuse (400) requests for more new tokens than this (default: the model's context)")
+    deprecated_alias(p, '--max-tokens-limit', '--max-tokens', 'max_tokens', type=int)
     p.add_argument('--default-max-tokens', type=int, default=d.default_max_tokens, help='max_tokens when a request does not say')
     p.add_argument('--max-body-mb', type=float, default=d.max_body_bytes / 2**20,
                    help=f'refuse (413) request bodies larger than this (default: {d.max_body_bytes / 2**20:g})')

@@ -4,15 +4,18 @@
 
 # %% ../../nbs/12_llm_transformers.ipynb #10db6847
 from __future__ import annotations
-import asyncio, concurrent.futures, json, logging, os, queue, threading, time
+import asyncio, concurrent.futures, inspect, json, logging, os, queue, threading, time
 from dataclasses import dataclass, field
+
+from fastcore.basics import patch
+
 from .core import LLM, Request, Completion, THINK_OPEN, THINK_CLOSE
 from .models import load_model_and_tokenizer, canonical_model_name
 
 # %% auto #0
 __all__ = ['chat_prompt_ids', 'request_prompt_ids', 'template_opens_thinking', 'end_token_ids', 'finish_sequence',
-           'generation_config', 'row_seed', 'row_sampler', 'hf_generate_batch', 'decode_rows', 'stop_string_check',
-           'generate_batch', 'naive_generate', 'continuous_generate', 'TransformersBackend', 'tiny_random_model']
+           'generation_config', 'row_seed', 'row_sampler', 'decode_rows', 'stop_string_check', 'generate_batch',
+           'hf_generate_batch', 'naive_generate', 'continuous_generate', 'TransformersBackend', 'tiny_random_model']
 
 # %% ../../nbs/12_llm_transformers.ipynb #245c397d
 def _template_kwargs(tok, enable_thinking: bool | None) -> dict:
@@ -28,12 +31,14 @@ def chat_prompt_ids(tok, request: Request) -> list[int]:
     ids = enc['input_ids']
     return list(ids[0] if ids and isinstance(ids[0], list) else ids)
 
+# %% ../../nbs/12_llm_transformers.ipynb #91428d3e
 def request_prompt_ids(tok, request: Request) -> list[int]:
     "Token ids the model continues: a raw `request.prompt` as it is (text encoded as a completions server does), else the chat."
     if request.prompt is None: return chat_prompt_ids(tok, request)
     if isinstance(request.prompt, str): return list(tok.encode(request.prompt))
     return [int(t) for t in request.prompt]
 
+# %% ../../nbs/12_llm_transformers.ipynb #fa084381
 _OPENS_CACHE: dict = {}
 
 def template_opens_thinking(tok, enable_thinking: bool | None = None) -> bool:
@@ -50,6 +55,7 @@ def template_opens_thinking(tok, enable_thinking: bool | None = None) -> bool:
         _OPENS_CACHE[key] = tail.rfind(THINK_OPEN) > tail.rfind(THINK_CLOSE)
     return _OPENS_CACHE[key]
 
+# %% ../../nbs/12_llm_transformers.ipynb #aa143695
 def end_token_ids(model, tok) -> set[int]:
     "Token ids that end a generated sample: the EOS ids of model and tokenizer, and the padding id."
     ids = set()
@@ -58,6 +64,7 @@ def end_token_ids(model, tok) -> set[int]:
         ids.update(v if isinstance(v, (list, tuple)) else [v])
     return ids
 
+# %% ../../nbs/12_llm_transformers.ipynb #7f8c26c7
 def finish_sequence(tok, gen_ids: list[int], request: Request, prompt_tokens: int, end_ids: set[int],
                     latency_s: float = 0.0) -> Completion:
     "A `Completion` from the generated ids of one sample: cut at EOS or stop string, with exact token counts."
@@ -88,11 +95,39 @@ def generation_config(request: Request, n: int, tok, model):
     if request.stop: kw['stop_strings'] = list(request.stop)
     return GenerationConfig(**kw)
 
+# %% ../../nbs/12_llm_transformers.ipynb #33e02782
 def row_seed(seed: int, sample: int) -> int:
     "The generator seed of sample `sample` of a request seeded with `seed` (independent of batching)."
     return (int(seed) * 1_000_003 + 7_919 * int(sample) + 12_345) % (2 ** 63 - 1)
 
+# %% ../../nbs/12_llm_transformers.ipynb #39bbff54
+def _nucleus_draws(s, k: int, top_p: float, fast_k: int, draw):
+    "One token per row of the scaled logits `s`, drawn with `draw(row, probs)` from the row's top-k / top-p nucleus."
+    import torch
+    V = s.shape[-1]
+    picks = torch.empty((s.shape[0], 1), dtype=torch.long, device=s.device)
+    kk = min(k, fast_k)
+    vals, idx = torch.topk(s, kk, dim=-1)                       # sorted, largest first
+    norm = torch.logsumexp(vals if kk == k else torch.topk(s, k, dim=-1).values if k < V else s, dim=-1, keepdim=True)
+    p = (vals - norm).exp()                                     # probabilities under top-k
+    before = p.cumsum(dim=-1) - p                               # mass of strictly better candidates
+    keep = before < top_p                                       # the nucleus (always keeps the best)
+    complete = (kk == k) | (p.sum(dim=-1) >= top_p)             # the nucleus fits inside the candidates
+    for i in range(s.shape[0]):
+        if bool(complete[i]):
+            q = p[i].masked_fill(~keep[i], 0.0)
+            picks[i] = idx[i, draw(i, q / q.sum())]
+        else:                                                   # rare: nucleus wider than fast_k
+            srt, order = torch.sort(s[i], descending=True)
+            srt = srt[:k]; order = order[:k]
+            q = (srt - torch.logsumexp(srt, dim=0)).exp()
+            q = q.masked_fill((q.cumsum(0) - q) >= top_p, 0.0)
+            picks[i] = order[draw(i, q / q.sum())]
+    return picks
+
+# %% ../../nbs/12_llm_transformers.ipynb #cd89def5
 def _row_sampler_class():
+    "The `RowSampler` class, built on first use so that importing this module does not import torch."
     import torch
     from transformers import LogitsProcessor
     class RowSampler(LogitsProcessor):
@@ -112,40 +147,15 @@ def _row_sampler_class():
             s = scores.float() / self.temperature
             V = s.shape[-1]
             k = min(int(self.top_k), V) if self.top_k else V
-            picks = torch.empty((s.shape[0], 1), dtype=torch.long, device=s.device)
             if self.top_p >= 1.0 and k == V:          # plain sampling over the whole vocabulary
+                picks = torch.empty((s.shape[0], 1), dtype=torch.long, device=s.device)
                 probs = s.softmax(dim=-1)
                 for i in range(s.shape[0]): picks[i] = self._draw(i, probs[i])
-            else:
-                kk = min(k, self.FAST_K)
-                vals, idx = torch.topk(s, kk, dim=-1)                       # sorted, largest first
-                norm = torch.logsumexp(vals if kk == k else torch.topk(s, k, dim=-1).values if k < V else s, dim=-1, keepdim=True)
-                p = (vals - norm).exp()                                     # probabilities under top-k
-                before = p.cumsum(dim=-1) - p                               # mass of strictly better candidates
-                keep = before < self.top_p                                  # the nucleus (always keeps the best)
-                complete = (kk == k) | (p.sum(dim=-1) >= self.top_p)        # the nucleus fits inside the candidates
-                for i in range(s.shape[0]):
-                    if bool(complete[i]):
-                        q = p[i].masked_fill(~keep[i], 0.0)
-                        picks[i] = idx[i, self._draw(i, q / q.sum())]
-                    else:                                                   # rare: nucleus wider than FAST_K
-                        srt, order = torch.sort(s[i], descending=True)
-                        srt = srt[:k]; order = order[:k]
-                        q = (srt - torch.logsumexp(srt, dim=0)).exp()
-                        q = q.masked_fill((q.cumsum(0) - q) >= self.top_p, 0.0)
-                        picks[i] = order[self._draw(i, q / q.sum())]
+            else: picks = _nucleus_draws(s, k, self.top_p, self.FAST_K, self._draw)
             return picks[:, 0]
     return RowSampler
 
-def _nucleus_reference(scores, temperature, top_k, top_p):
-    "The set of token ids transformers' own warpers keep (for tests)."
-    import torch
-    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-    s = TemperatureLogitsWarper(temperature)(None, scores.clone())
-    if top_k: s = TopKLogitsWarper(top_k)(None, s)
-    if top_p < 1: s = TopPLogitsWarper(top_p)(None, s)
-    return [set(torch.nonzero(torch.isfinite(r)).flatten().tolist()) for r in s]
-
+# %% ../../nbs/12_llm_transformers.ipynb #f9418b84
 def row_sampler(requests: list[Request], per: int):
     "A `RowSampler` for `requests` with `per` rows each (row seeds from each request's seed, else random)."
     import torch
@@ -156,7 +166,9 @@ def row_sampler(requests: list[Request], per: int):
         seeds += [row_seed(base, j) for j in range(per)]
     return _row_sampler_class()(seeds, r0.temperature, r0.top_k, r0.top_p)
 
+# %% ../../nbs/12_llm_transformers.ipynb #0ee661b4
 def _left_pad(seqs: list[list[int]], pad_id: int):
+    "Token ids and attention mask of `seqs`, padded on the left to a common length."
     import torch
     L = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
@@ -165,41 +177,15 @@ def _left_pad(seqs: list[list[int]], pad_id: int):
         ids[i, L - len(s):] = torch.tensor(s, dtype=torch.long); mask[i, L - len(s):] = 1
     return ids, mask
 
-def hf_generate_batch(model, tok, requests: list[Request], prompts: list[list[int]], n: int | None = None) -> list[list[Completion]]:
-    "Like `generate_batch`, through one left-padded call of transformers' `model.generate`."
-    import torch
-    r0 = requests[0]; n = n or r0.n
-    gc = generation_config(r0, n, tok, model)
-    extra = {'tokenizer': tok} if r0.stop else {}
-    rows = prompts
-    if gc.do_sample:   # our sampler draws every row; generate then only takes the one token left finite
-        from transformers import LogitsProcessorList
-        extra['logits_processor'] = LogitsProcessorList([row_sampler(requests, gc.num_return_sequences)])
-        rows = [p for p in prompts for _ in range(gc.num_return_sequences)]
-        per_prompt = gc.num_return_sequences
-        gc.do_sample, gc.num_return_sequences, gc.top_k = False, 1, None
-    ids, mask = _left_pad(rows, tok.pad_token_id)
-    dev = model.device if hasattr(model, 'device') else 'cpu'
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), generation_config=gc, **extra)
-    dt = time.perf_counter() - t0
-    gen = out[:, ids.shape[1]:].tolist()
-    per = per_prompt if 'logits_processor' in extra else gc.num_return_sequences
-    ends, res = end_token_ids(model, tok), []
-    for i, (r, p) in enumerate(zip(requests, prompts)):
-        cs = [finish_sequence(tok, gen[i * per + j], r, len(p), ends, dt) for j in range(per)]
-        res.append(cs if per == n else [Completion.from_dict(cs[0].to_dict()) for _ in range(n)])
-    return res
-
+# %% ../../nbs/12_llm_transformers.ipynb #a6e4a229
 def _cache_arg(model) -> str:
     "The forward argument that takes the KV cache: `cache` in newer transformers, `past_key_values` before."
-    import inspect
     return 'cache' if 'cache' in inspect.signature(model.forward).parameters else 'past_key_values'
 
+# %% ../../nbs/12_llm_transformers.ipynb #b1d0bdff
 def _prefill(model, ids, mask, token_budget: int = 16384):
     "KV cache and last-position logits of left-padded prompts, prefilled in row chunks of about `token_budget` tokens."
-    import inspect, torch
+    import torch
     from transformers import DynamicCache
     B, L = ids.shape
     step = max(1, token_budget // max(L, 1))
@@ -219,6 +205,7 @@ def _prefill(model, ids, mask, token_budget: int = 16384):
             layer.values = torch.cat([c.layers[li].values for c in caches])
     return cache, torch.cat(logits)
 
+# %% ../../nbs/12_llm_transformers.ipynb #605b1a18
 def decode_rows(model, ids, mask, per: int, max_new_tokens: int, end_ids: set[int], sampler=None,
                 finished=None, prefill_tokens: int = 16384, prompt_of=None) -> list[list[int]]:
     "Generated ids of `per` rows per request; a row leaves the batch (and the KV cache) as soon as it ends."
@@ -250,12 +237,14 @@ def decode_rows(model, ids, mask, per: int, max_new_tokens: int, end_ids: set[in
         logits = out.logits[:, -1, :].float()
     return gen
 
+# %% ../../nbs/12_llm_transformers.ipynb #581787cf
 def stop_string_check(tok, stops):
     "A test on a row's generated ids: does the text of its last few tokens contain one of `stops`?"
     if not stops: return None
     window = 2 * max(len(s) for s in stops) + 4
     return lambda g: any(s in tok.decode(g[-window:], skip_special_tokens=True) for s in stops)
 
+# %% ../../nbs/12_llm_transformers.ipynb #6d872a36
 def generate_batch(model, tok, requests: list[Request], prompts: list[list[int]], n: int | None = None) -> list[list[Completion]]:
     "Completions for requests sharing sampling settings and `n`: one prefill per prompt, finished rows leave early."
     import torch
@@ -278,6 +267,35 @@ def generate_batch(model, tok, requests: list[Request], prompts: list[list[int]]
         res.append(cs if per == n else [Completion.from_dict(cs[0].to_dict()) for _ in range(n)])
     return res
 
+# %% ../../nbs/12_llm_transformers.ipynb #3183e6c4
+def hf_generate_batch(model, tok, requests: list[Request], prompts: list[list[int]], n: int | None = None) -> list[list[Completion]]:
+    "Like `generate_batch`, through one left-padded call of transformers' `model.generate`."
+    import torch
+    r0 = requests[0]; n = n or r0.n
+    gc = generation_config(r0, n, tok, model)
+    extra = {'tokenizer': tok} if r0.stop else {}
+    rows = prompts
+    if gc.do_sample:   # our sampler draws every row; generate then only takes the one token left finite
+        from transformers import LogitsProcessorList
+        extra['logits_processor'] = LogitsProcessorList([row_sampler(requests, gc.num_return_sequences)])
+        rows = [p for p in prompts for _ in range(gc.num_return_sequences)]
+        per_prompt = gc.num_return_sequences
+        gc.do_sample, gc.num_return_sequences, gc.top_k = False, 1, None
+    ids, mask = _left_pad(rows, tok.pad_token_id)
+    dev = model.device if hasattr(model, 'device') else 'cpu'
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), generation_config=gc, **extra)
+    dt = time.perf_counter() - t0
+    gen = out[:, ids.shape[1]:].tolist()
+    per = per_prompt if 'logits_processor' in extra else gc.num_return_sequences
+    ends, res = end_token_ids(model, tok), []
+    for i, (r, p) in enumerate(zip(requests, prompts)):
+        cs = [finish_sequence(tok, gen[i * per + j], r, len(p), ends, dt) for j in range(per)]
+        res.append(cs if per == n else [Completion.from_dict(cs[0].to_dict()) for _ in range(n)])
+    return res
+
+# %% ../../nbs/12_llm_transformers.ipynb #2931eeba
 def naive_generate(model, tok, requests: list[Request]) -> list[list[Completion]]:
     "Baseline: one `model.generate` call per sample, sequentially."
     out = []
@@ -316,13 +334,13 @@ def continuous_generate(model, tok, requests: list[Request], prompts: list[list[
 # %% ../../nbs/12_llm_transformers.ipynb #96096b6d
 @dataclass
 class _Job:
+    "One part of a request (`n` of its samples) waiting in the queue, with the future its caller waits on."
     request: Request
     n: int
     prompt: list[int] = None
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
-_log = logging.getLogger(__name__)
-
+# %% ../../nbs/12_llm_transformers.ipynb #ac0e9167
 class TransformersBackend(LLM):
     "An `LLM` running a transformers model in this process, batching concurrent requests."
     def __init__(self, model: str = 'default', device: str | None = None, dtype=None, max_batch_size: int = 64,
@@ -347,100 +365,122 @@ class TransformersBackend(LLM):
         self.stats = {'batches_by_engine': {}, 'engine_fallbacks': []}
         self._queue, self._thread, self._lock = queue.Queue(), None, threading.Lock()
 
-    def _ensure_worker(self):
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._worker, name='tmas-transformers-worker', daemon=True)
-                self._thread.start()
-
-    def submit(self, request: Request) -> list[concurrent.futures.Future]:
-        "Queue `request` (split into parts of at most `max_batch_size` samples); futures of the parts' completions."
-        jobs, left = [], request.n
-        while left > 0:
-            k = min(left, self.max_batch_size); jobs.append(_Job(request, k)); left -= k
-        self._ensure_worker()
-        for j in jobs: self._queue.put(j)
-        return [j.future for j in jobs]
-
     async def _generate(self, requests: list[Request]) -> list[list[Completion]]:
         parts = [self.submit(r) for r in requests]
         done = await asyncio.gather(*[asyncio.gather(*[asyncio.wrap_future(f) for f in fs]) for fs in parts])
         return [[c for part in d for c in part] for d in done]
 
-    def _collect(self, first: _Job) -> list[_Job]:
-        jobs, deadline = [first], time.monotonic() + self.batch_window_s
-        while True:
-            try: jobs.append(self._queue.get(timeout=max(0.0, deadline - time.monotonic())))
-            except queue.Empty: break
-            if jobs[-1] is None: self._queue.put(None); jobs.pop(); break
-        while True:   # whatever else is already waiting
-            try: j = self._queue.get_nowait()
-            except queue.Empty: break
-            if j is None: self._queue.put(None); break
-            jobs.append(j)
-        return jobs
+# %% ../../nbs/12_llm_transformers.ipynb #9e26b020
+@patch
+def _collect(self:TransformersBackend, first: _Job) -> list[_Job]:
+    "`first` and the jobs that arrive within the collection window, then whatever else is already waiting."
+    jobs, deadline = [first], time.monotonic() + self.batch_window_s
+    while True:
+        try: jobs.append(self._queue.get(timeout=max(0.0, deadline - time.monotonic())))
+        except queue.Empty: break
+        if jobs[-1] is None: self._queue.put(None); jobs.pop(); break
+    while True:   # whatever else is already waiting
+        try: j = self._queue.get_nowait()
+        except queue.Empty: break
+        if j is None: self._queue.put(None); break
+        jobs.append(j)
+    return jobs
 
-    def plan_batches(self, jobs: list[_Job]) -> list[list[_Job]]:
-        "Group jobs by sampling settings and `n`, sort by prompt length and cut into batches of <= max_batch_size sequences."
-        groups = {}
+# %% ../../nbs/12_llm_transformers.ipynb #455812cc
+@patch
+def plan_batches(self:TransformersBackend, jobs: list[_Job]) -> list[list[_Job]]:
+    "Group jobs by sampling settings and `n`, sort by prompt length and cut into batches of <= max_batch_size sequences."
+    groups = {}
+    for j in jobs:
+        k = j.request.sampling_key(); k.pop('seed', None)   # seeds are per row: seeded requests batch together
+        key = json.dumps(k, sort_keys=True) + f'|n={j.n}'
+        groups.setdefault(key, []).append(j)
+    batches = []
+    for g in groups.values():
+        g.sort(key=lambda j: len(j.prompt))
+        per = max(1, self.max_batch_size // (g[0].n if g[0].request.temperature > 0 else 1))
+        batches += [g[i:i + per] for i in range(0, len(g), per)]
+    return batches
+
+# %% ../../nbs/12_llm_transformers.ipynb #b663b5ae
+@patch
+def engine_for(self:TransformersBackend, requests: list[Request]) -> str:
+    "The engine that runs a batch: continuous batching only for what it can do exactly (greedy or unseeded sampling)."
+    seeded = requests[0].temperature > 0 and any(r.seed is not None for r in requests)
+    if self._use_continuous and not seeded: return 'continuous'
+    return 'generate' if self.requested_engine == 'generate' else 'batched'
+
+# %% ../../nbs/12_llm_transformers.ipynb #4ba7bbc9
+_log = logging.getLogger(__name__)
+
+@patch
+def _run_batch(self:TransformersBackend, batch: list[_Job]):
+    "The completions of one planned batch, on the engine `engine_for` picks (our loop if continuous batching fails)."
+    reqs, prompts, n = [j.request for j in batch], [j.prompt for j in batch], batch[0].n
+    engine = self.engine_for(reqs)
+    if engine == 'continuous':
+        try: res = continuous_generate(self.model, self.tokenizer, reqs, prompts, n)
+        except Exception as e:   # noted, logged, and never tried again by this backend
+            self._use_continuous = False
+            engine = self.engine_for(reqs)
+            note = {'engine': 'continuous', 'instead': engine, 'error': f'{type(e).__name__}: {e}'[:500],
+                    'requests': len(reqs), 'time': time.strftime('%Y-%m-%dT%H:%M:%S')}
+            self.stats['engine_fallbacks'].append(note)
+            _log.warning("continuous batching failed (%s); this backend uses %r from now on", note['error'], engine)
+    if engine == 'generate': res = hf_generate_batch(self.model, self.tokenizer, reqs, prompts, n)
+    elif engine == 'batched': res = generate_batch(self.model, self.tokenizer, reqs, prompts, n)
+    self.engine = engine
+    by = self.stats['batches_by_engine']; by[engine] = by.get(engine, 0) + 1
+    self.batches_run += 1; self.sequences_run += sum(len(r) for r in res)
+    return res
+
+# %% ../../nbs/12_llm_transformers.ipynb #53c5e2d7
+@patch
+def _worker(self:TransformersBackend):
+    "The worker thread's loop: collect, plan and run batches until the stop marker arrives."
+    while True:
+        first = self._queue.get()
+        if first is None: return
+        jobs = self._collect(first)
+        ready = []
         for j in jobs:
-            k = j.request.sampling_key(); k.pop('seed', None)   # seeds are per row: seeded requests batch together
-            key = json.dumps(k, sort_keys=True) + f'|n={j.n}'
-            groups.setdefault(key, []).append(j)
-        batches = []
-        for g in groups.values():
-            g.sort(key=lambda j: len(j.prompt))
-            per = max(1, self.max_batch_size // (g[0].n if g[0].request.temperature > 0 else 1))
-            batches += [g[i:i + per] for i in range(0, len(g), per)]
-        return batches
+            try: j.prompt = request_prompt_ids(self.tokenizer, j.request); ready.append(j)
+            except Exception as e: j.future.set_exception(e)
+        for batch in self.plan_batches(ready):
+            try:
+                for j, cs in zip(batch, self._run_batch(batch)): j.future.set_result(cs)
+            except Exception as e:
+                for j in batch:
+                    if not j.future.done(): j.future.set_exception(e)
 
-    def engine_for(self, requests: list[Request]) -> str:
-        "The engine that runs a batch: continuous batching only for what it can do exactly (greedy or unseeded sampling)."
-        seeded = requests[0].temperature > 0 and any(r.seed is not None for r in requests)
-        if self._use_continuous and not seeded: return 'continuous'
-        return 'generate' if self.requested_engine == 'generate' else 'batched'
+# %% ../../nbs/12_llm_transformers.ipynb #5c096e4d
+@patch
+def _ensure_worker(self:TransformersBackend):
+    "Start the worker thread if it is not running."
+    with self._lock:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._worker, name='tmas-transformers-worker', daemon=True)
+            self._thread.start()
 
-    def _run_batch(self, batch: list[_Job]):
-        reqs, prompts, n = [j.request for j in batch], [j.prompt for j in batch], batch[0].n
-        engine = self.engine_for(reqs)
-        if engine == 'continuous':
-            try: res = continuous_generate(self.model, self.tokenizer, reqs, prompts, n)
-            except Exception as e:   # noted, logged, and never tried again by this backend
-                self._use_continuous = False
-                engine = self.engine_for(reqs)
-                note = {'engine': 'continuous', 'instead': engine, 'error': f'{type(e).__name__}: {e}'[:500],
-                        'requests': len(reqs), 'time': time.strftime('%Y-%m-%dT%H:%M:%S')}
-                self.stats['engine_fallbacks'].append(note)
-                _log.warning("continuous batching failed (%s); this backend uses %r from now on", note['error'], engine)
-        if engine == 'generate': res = hf_generate_batch(self.model, self.tokenizer, reqs, prompts, n)
-        elif engine == 'batched': res = generate_batch(self.model, self.tokenizer, reqs, prompts, n)
-        self.engine = engine
-        by = self.stats['batches_by_engine']; by[engine] = by.get(engine, 0) + 1
-        self.batches_run += 1; self.sequences_run += sum(len(r) for r in res)
-        return res
+# %% ../../nbs/12_llm_transformers.ipynb #bf6786a5
+@patch
+def submit(self:TransformersBackend, request: Request) -> list[concurrent.futures.Future]:
+    "Queue `request` (split into parts of at most `max_batch_size` samples); futures of the parts' completions."
+    jobs, left = [], request.n
+    while left > 0:
+        k = min(left, self.max_batch_size); jobs.append(_Job(request, k)); left -= k
+    self._ensure_worker()
+    for j in jobs: self._queue.put(j)
+    return [j.future for j in jobs]
 
-    def _worker(self):
-        while True:
-            first = self._queue.get()
-            if first is None: return
-            jobs = self._collect(first)
-            ready = []
-            for j in jobs:
-                try: j.prompt = request_prompt_ids(self.tokenizer, j.request); ready.append(j)
-                except Exception as e: j.future.set_exception(e)
-            for batch in self.plan_batches(ready):
-                try:
-                    for j, cs in zip(batch, self._run_batch(batch)): j.future.set_result(cs)
-                except Exception as e:
-                    for j in batch:
-                        if not j.future.done(): j.future.set_exception(e)
-
-    def close(self):
-        "Stop the worker thread and drop the model."
-        if self._thread is not None and self._thread.is_alive():
-            self._queue.put(None); self._thread.join(timeout=60)
-        self._thread = None
-        self.model = None
+# %% ../../nbs/12_llm_transformers.ipynb #44a9041e
+@patch
+def close(self:TransformersBackend):
+    "Stop the worker thread and drop the model."
+    if self._thread is not None and self._thread.is_alive():
+        self._queue.put(None); self._thread.join(timeout=60)
+    self._thread = None
+    self.model = None
 
 # %% ../../nbs/12_llm_transformers.ipynb #4332a619
 def tiny_random_model(tok, layers: int = 2, hidden: int = 64, seed: int = 0):
