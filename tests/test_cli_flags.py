@@ -128,7 +128,8 @@ RENAMED = [
 ]
 REQUIRED = {'replay eval': ['--model', 'Qwen3-4B', '--benchmark', 'aime24', '--controller', 'sc:k=4'],
             'replay grid': ['--out', 'g.csv'], 'judge': ['RUN', '--judge', 'smollm2'], 'data fetch': ['autotts'],
-            'replay build': ['--model', 'default', '--benchmark', 'demo', '--out', 's.json']}
+            'replay build': ['--model', 'default', '--benchmark', 'demo', '--out', 's.json', '--branches', '2',
+                             '--probe-every', '8', '--max-new-tokens', '16']}
 
 
 def leaves():

@@ -88,15 +88,7 @@ COMMANDS = {   # command: (module:function that adds its flags, help, descriptio
 def _flags_of(target: str):
     "The function named by 'module:function'."
     mod, fn = target.split(':')
-    m = importlib.import_module(mod)
-    if fn == 'build_cli' and not hasattr(m, fn):                                   # TEMPORARY
-        def add(sub):
-            tmp = argparse.ArgumentParser().add_subparsers(); m.add_build_cli(tmp); leaf = tmp.choices['build']
-            for a in leaf._actions:
-                if a.dest != 'help': sub._add_action(a)
-            sub.set_defaults(**leaf._defaults)
-        return add
-    return getattr(m, fn)
+    return getattr(importlib.import_module(mod), fn)
 
 def build_parser() -> argparse.ArgumentParser:
     "The full `tmas` argument parser, from `GROUPS` and `COMMANDS`."

@@ -5,6 +5,9 @@
 # %% ../../nbs/06_replay_authors_api.ipynb #3eaf3bfc
 from __future__ import annotations
 import random, sys, types
+from importlib import resources
+
+from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['EXAMPLE_CONTROLLERS', 'AuthorsQuestion', 'run_authors_protocol', 'replay_log', 'replay_authors_log', 'store_records',
@@ -25,53 +28,66 @@ class AuthorsQuestion:
         self._opened = 0
         self._log = log
 
-    def _explore(self, i):
-        "Next probe of branch i; past its probes the final answer and the tokens beyond the probed prefix, every time."
-        probes, tokens, final = self._branches[i]
-        k = self._probed[i]
-        if k < len(probes):
-            self._probed[i] = k + 1
-            return probes[k], self.probe_freq, False
-        return final, max(0, tokens - self.probe_freq * k), True
+# %% ../../nbs/06_replay_authors_api.ipynb #b385dac5
+@patch
+def _explore(self:AuthorsQuestion, i):
+    "Next probe of branch i; past its probes the final answer and the tokens beyond the probed prefix, every time."
+    probes, tokens, final = self._branches[i]
+    k = self._probed[i]
+    if k < len(probes):
+        self._probed[i] = k + 1
+        return probes[k], self.probe_freq, False
+    return final, max(0, tokens - self.probe_freq * k), True
 
-    def probe_new(self):
-        "Open the next branch and probe it once: (answer, branch index, finished)."
-        i = self._opened
-        if i >= len(self._branches): raise ValueError("Index out of range for branches.")
-        a, c, fin = self._explore(i)
-        self._total += c; self._cost_per_branch[i] += c; self._opened = i + 1
-        if self._log is not None: self._log.append('N')
-        return a, i, fin
+# %% ../../nbs/06_replay_authors_api.ipynb #568724ea
+@patch
+def probe_new(self:AuthorsQuestion):
+    "Open the next branch and probe it once: (answer, branch index, finished)."
+    i = self._opened
+    if i >= len(self._branches): raise ValueError("Index out of range for branches.")
+    a, c, fin = self._explore(i)
+    self._total += c; self._cost_per_branch[i] += c; self._opened = i + 1
+    if self._log is not None: self._log.append('N')
+    return a, i, fin
 
-    def probe_more(self, index):
-        "Probe branch `index` once more: (answer, finished)."
-        if not index <= self._opened: raise ValueError("Index out of range for branches.")
-        a, c, fin = self._explore(index)
-        self._total += c; self._cost_per_branch[index] += c
-        if self._log is not None: self._log.append(int(index))
-        return a, fin
+# %% ../../nbs/06_replay_authors_api.ipynb #9ff675e7
+@patch
+def probe_more(self:AuthorsQuestion, index):
+    "Probe branch `index` once more: (answer, finished)."
+    if not index <= self._opened: raise ValueError("Index out of range for branches.")
+    a, c, fin = self._explore(index)
+    self._total += c; self._cost_per_branch[index] += c
+    if self._log is not None: self._log.append(int(index))
+    return a, fin
 
-    def get_new_branch_final_answer(self):
-        "Open the next branch and pay its whole length; returns its final answer."
-        i = self._opened
-        probes, tokens, final = self._branches[i]
-        self._opened = i + 1; self._total += tokens; self._cost_per_branch[i] += tokens
-        if self._log is not None: self._log.append('F')
-        return final
+# %% ../../nbs/06_replay_authors_api.ipynb #4c6b3aeb
+@patch
+def get_new_branch_final_answer(self:AuthorsQuestion):
+    "Open the next branch and pay its whole length; returns its final answer."
+    i = self._opened
+    probes, tokens, final = self._branches[i]
+    self._opened = i + 1; self._total += tokens; self._cost_per_branch[i] += tokens
+    if self._log is not None: self._log.append('F')
+    return final
 
-    def get_cost_per_branch_active(self):
-        "Tokens charged to each opened branch."
-        return list(self._cost_per_branch[:self._opened])
+# %% ../../nbs/06_replay_authors_api.ipynb #f8444d31
+@patch
+def get_cost_per_branch_active(self:AuthorsQuestion):
+    "Tokens charged to each opened branch."
+    return list(self._cost_per_branch[:self._opened])
 
-    def get_seq_and_total_tokens(self):
-        "(tokens of the most expensive opened branch, tokens of all opened branches)."
-        active = self._cost_per_branch[:self._opened]
-        return (max(active), sum(active)) if active else (0, 0)
+# %% ../../nbs/06_replay_authors_api.ipynb #fbdda293
+@patch
+def get_seq_and_total_tokens(self:AuthorsQuestion):
+    "(tokens of the most expensive opened branch, tokens of all opened branches)."
+    active = self._cost_per_branch[:self._opened]
+    return (max(active), sum(active)) if active else (0, 0)
 
-    @property
-    def tokens_charged(self) -> int:
-        "Every token charged so far: the question's cost in the authors' evaluation."
-        return self._total
+# %% ../../nbs/06_replay_authors_api.ipynb #e9372543
+@patch(as_prop=True)
+def tokens_charged(self:AuthorsQuestion) -> int:
+    "Every token charged so far: the question's cost in the authors' evaluation."
+    return self._total
 
 # %% ../../nbs/06_replay_authors_api.ipynb #297716ea
 def run_authors_protocol(method, records: list, seeds, logs: list | None = None):
@@ -88,6 +104,7 @@ def run_authors_protocol(method, records: list, seeds, logs: list | None = None)
         if logs is not None: logs.append(l_s)
     return answers, costs
 
+# %% ../../nbs/06_replay_authors_api.ipynb #af06af42
 def replay_log(branches: list, order: list, probe_freq: int, log: list) -> tuple[int, set]:
     "Tokens charged and answers revealed by `log` on `branches` (stored order) opened in `order`; `AuthorsQuestion`'s rules, inlined."
     n = len(order); probed = [0] * n; opened = total = 0; seen = set()
@@ -108,6 +125,7 @@ def replay_log(branches: list, order: list, probe_freq: int, log: list) -> tuple
         else: total += max(0, tok - probe_freq * k); seen.add(fin)
     return total, seen
 
+# %% ../../nbs/06_replay_authors_api.ipynb #63a7d1a2
 def replay_authors_log(record: dict, seed: int, log: list) -> tuple[int, set]:
     "Replay an action log on a fresh question of `record` under `seed`: (tokens charged, answers revealed)."
     order = list(range(len(record['each_branch']))); random.Random(seed).shuffle(order)
@@ -136,18 +154,21 @@ class LLMDesignedMethod:
     def __call__(self, question): return self.solve(question)
     def description(self) -> str: return self.NAME if not self.config else f"{self.NAME} | config={self.config}"
 
+# %% ../../nbs/06_replay_authors_api.ipynb #502b01e1
 class MethodTraceRecorder:
     "Step records a controller may keep for itself."
     def __init__(self): self.steps = []
     def add_step(self, **kwargs): self.steps.append(dict(kwargs))
     def to_list(self): return list(self.steps)
 
+# %% ../../nbs/06_replay_authors_api.ipynb #7bd87206
 class MethodStrategyAdapter:
     "Wraps a method as a strategy with `execute(question)`."
     def __init__(self, method): self.method = method
     def execute(self, question): return self.method.solve(question)
     def description(self): return self.method.description()
 
+# %% ../../nbs/06_replay_authors_api.ipynb #28f1b2de
 def install_authors_shims() -> None:
     "Register the module `controller_api` (and `method`) so authors'-style imports resolve."
     m = types.ModuleType('controller_api')
@@ -157,143 +178,17 @@ def install_authors_shims() -> None:
     sys.modules.setdefault('method', m)
 
 # %% ../../nbs/06_replay_authors_api.ipynb #b4dbc330
-_AUTHORS_SC = '''
-from collections import Counter
-from controller_api import LLMDesignedMethod
+_EXAMPLE_CLASSES = {'authors_sc': 'SCMethod', 'authors_asc': 'ASCMethod', 'authors_cmc': 'CMCMethod',
+                    'ours_sc': 'SelfConsistencyFile', 'ours_cmc': 'MyCMC'}
 
-class SCMethod(LLMDesignedMethod):
-    "Self-consistency: read k whole branches, answer the most frequent final answer."
-    NAME = 'sc'
-    def solve(self, question):
-        answers = []
-        for _ in range(int(self.config.get('k', 64))):
-            try: answers.append(question.get_new_branch_final_answer())
-            except (IndexError, ValueError): break
-        return Counter(answers).most_common(1)[0][0] if answers else None
-'''
+def _example_source(name: str) -> str:
+    "The text of `examples/<name>.py` inside the installed package."
+    return resources.files('tmas_nb.replay').joinpath('examples', f'{name}.py').read_text(encoding='utf-8')
 
-_AUTHORS_ASC = '''
-from collections import Counter
-from scipy.stats import beta
+EXAMPLE_CONTROLLERS = {name: (cls, _example_source(name)) for name, cls in _EXAMPLE_CLASSES.items()}
 
-class ASCMethod:
-    "Adaptive consistency: whole branches one at a time until the Beta confidence exceeds the threshold."
-    def __init__(self, config=None):
-        self.config = config or {}
-        self.max_samples = int(self.config.get('max_samples', 64)); self.threshold = float(self.config.get('threshold', 0.95))
-    def solve(self, question):
-        seen = []
-        for _ in range(self.max_samples):
-            try: seen.append(question.get_new_branch_final_answer())
-            except (IndexError, ValueError): break
-            if len(seen) >= 2:
-                top = Counter(seen).most_common(2)
-                v2 = top[1][1] if len(top) > 1 else 0
-                if 1 - beta.cdf(0.5, top[0][1] + 1, v2 + 1) > self.threshold: return top[0][0]
-        return Counter(seen).most_common(1)[0][0] if seen else None
-'''
-
-_AUTHORS_CMC = '''
-from collections import Counter
-from scipy.stats import beta as beta_dist
-
-def schedule(b):
-    b = max(0.0, min(1.0, float(b)))
-    return dict(n_init=max(2, round(2 + 6 * b)), max_branch=min(64, round(4 + 60 * b)), warm_up=max(2, round(2 + 8 * b)),
-                abandon_patience=max(3, round(3 + 9 * b)), T_ema=max(2, round(2 + 6 * b)), alpha=0.70 - 0.40 * b,
-                conf_thresh=0.85 + 0.12 * b, slack=0.04 - 0.03 * b, trend_thresh=0.04 - 0.03 * b,
-                burst_aligned=max(1, round(1 + 2 * b)), widen_burst=max(1, round(1 + 3 * b)),
-                min_complete=max(2, round(2 + 3 * b)), max_rounds=500)
-
-def pool_vote(pool):
-    if not pool: return None, 0.0
-    top = Counter(pool).most_common(2)
-    v1, v2 = top[0][1], (top[1][1] if len(top) > 1 else 0)
-    return top[0][0], float(1 - beta_dist.cdf(0.5, v1 + 1, v2 + 1))
-
-def plurality(xs):
-    return Counter(xs).most_common(1)[0][0] if xs else None
-
-class CMCMethod:
-    "Confidence Momentum Controller on the question API; one knob beta in [0, 1]."
-    NAME = 'cmc'
-    def __init__(self, config=None):
-        self.config = dict(config or {})
-        self.p = schedule(self.config.get('beta', 0.5))
-
-    def solve(self, question):
-        p = self.p
-        latest, fin, gone, reads, dis, pool = [], [], [], [], [], []
-        def open_branch():
-            try: a, _, f = question.probe_new()
-            except ValueError: return False
-            latest.append(a); fin.append(f); gone.append(False); reads.append(0); dis.append(0)
-            if f: pool.append(a)
-            return True
-        for _ in range(p['n_init']):
-            if not open_branch(): break
-        if not latest: return None
-        ema, window = 0.0, []
-        for step in range(p['max_rounds']):
-            winner, conf = pool_vote(pool)
-            warm = step >= p['warm_up']
-            ema = (1 - p['alpha']) * ema + p['alpha'] * conf
-            window.append(ema)
-            if len(window) > p['T_ema']: window.pop(0)
-            if warm and winner is not None:
-                live = [i for i in range(len(latest)) if not gone[i] and not fin[i]]
-                for i in live: dis[i] = dis[i] + 1 if latest[i] != winner else 0
-                cands = sorted([i for i in live if dis[i] >= p['abandon_patience']], key=lambda i: -dis[i])
-                for i in cands[:max(0, len(live) - 2)]: gone[i] = True
-            live = sorted([i for i in range(len(latest)) if not gone[i] and not fin[i]], key=lambda i: -reads[i])
-            for i in live:
-                aligned = warm and winner is not None and latest[i] == winner
-                for _ in range(p['burst_aligned'] if aligned else 1):
-                    if fin[i]: break
-                    latest[i], fin[i] = question.probe_more(i); reads[i] += 1
-                    if fin[i]: pool.append(latest[i])
-            winner, conf = pool_vote(pool)
-            ema = (1 - p['alpha']) * ema + p['alpha'] * conf
-            window[-1] = ema
-            delta = window[-1] - window[0] if len(window) >= 2 else 0.0
-            if warm and len(pool) >= p['min_complete'] and ema >= p['conf_thresh'] and delta >= -p['slack']:
-                return winner
-            if all(fin[i] or gone[i] for i in range(len(latest))): break
-            if (len(latest) < p['max_branch'] and delta <= p['trend_thresh'] and step >= max(1, p['warm_up'] // 2)
-                    and ema < p['conf_thresh']):
-                for _ in range(p['widen_burst']):
-                    if len(latest) >= p['max_branch'] or not open_branch(): break
-        w = plurality(pool)
-        if w is None: w = plurality([latest[i] for i in range(len(latest)) if not gone[i]])
-        return w
-'''
-
-_OURS_SC = '''
-from collections import Counter
-
-class SelfConsistencyFile:
-    "Self-consistency on the environment's actions: read k whole branches, answer the plurality."
-    def __init__(self, k=64): self.k = int(k)
-    def run(self, env):
-        answers = [env.read_whole() for _ in range(min(self.k, env.n_available))]
-        return Counter(answers).most_common(1)[0][0] if answers else None
-'''
-
-_OURS_CMC = '''
-from dataclasses import dataclass
-from tmas_nb.replay.controllers import CMC
-
-@dataclass
-class MyCMC(CMC):
-    "The built-in CMC, subclassed: a file may import the library's helpers."
-    name = 'my_cmc'
-'''
-
-EXAMPLE_CONTROLLERS = {'authors_sc': ('SCMethod', _AUTHORS_SC), 'authors_asc': ('ASCMethod', _AUTHORS_ASC),
-                       'authors_cmc': ('CMCMethod', _AUTHORS_CMC), 'ours_sc': ('SelfConsistencyFile', _OURS_SC),
-                       'ours_cmc': ('MyCMC', _OURS_CMC)}
-
+# %% ../../nbs/06_replay_authors_api.ipynb #f5069d93
 def example_controller(name: str) -> tuple[str, str]:
     "(class name, source) of an example controller file."
     if name not in EXAMPLE_CONTROLLERS: raise ValueError(f"unknown example {name!r}; examples: {', '.join(EXAMPLE_CONTROLLERS)}")
-    return EXAMPLE_CONTROLLERS[name][0], EXAMPLE_CONTROLLERS[name][1].lstrip()
+    return EXAMPLE_CONTROLLERS[name][0], _example_source(name).lstrip()

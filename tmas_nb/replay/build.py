@@ -5,18 +5,28 @@
 # %% ../../nbs/08_replay_build.ipynb #a40091de
 from __future__ import annotations
 import asyncio, json, os, re, time
-from dataclasses import dataclass, asdict, field
+from dataclasses import dataclass, asdict, field, fields, replace
 from pathlib import Path
 
+import httpx
+from fastcore.basics import patch
+from tqdm.auto import tqdm
+
 from ..core import atomic_write_json, atomic_write_text
+from ..settings import deprecated_alias
 from ..grading import extract_answer, clean_answer
 from ..data import load_benchmark, SOLVE_PROMPT, Problem
+from ..llm.core import Request, run_sync
+from ..llm.models import canonical_model_name, load_model_and_tokenizer, packaged_model, resolve_model
+from ..llm.openai_backend import LLMRequestError, OpenAIBackend
+from ..llm.transformers_backend import (_cache_arg, _prefill, _row_sampler_class, chat_prompt_ids, end_token_ids,
+                                            finish_sequence, row_seed)
 from .store import ReplayStore, load_store_file
 
 # %% auto #0
 __all__ = ['NO_ANSWER', 'PROBE_SUFFIX', 'store_answer', 'probe_reading', 'BuildSettings', 'probe_batch', 'Branch', 'branch_seeds',
-           'sample_branches', 'prompt_ids', 'parts_dir', 'sidecar_path', 'question_record', 'build_store',
-           'server_branch_seeds', 'ServerBranches', 'add_build_cli']
+           'prompt_ids', 'sample_branches', 'parts_dir', 'sidecar_path', 'question_record', 'ServerSettings',
+           'build_store', 'server_branch_seeds', 'ServerBranches', 'build_cli']
 
 # %% ../../nbs/08_replay_build.ipynb #e5f5ed91
 NO_ANSWER = 'ERR'
@@ -70,7 +80,6 @@ class BuildSettings:
 
 # %% ../../nbs/08_replay_build.ipynb #46641763
 def _forward(model, ids, mask, pos, cache):
-    from tmas_nb.llm.transformers_backend import _cache_arg
     return model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{_cache_arg(model): cache})
 
 def probe_batch(model, tok, cache, mask, suffix_ids: list[int], n_tokens: int, suffix: str) -> list[str]:
@@ -105,18 +114,38 @@ class Branch:
     def tokens(self) -> int: return self.counted if self.counted is not None else len(self.ids) + self.end_tokens
     def record(self) -> list: return [list(self.probes), self.tokens, self.final]
 
+# %% ../../nbs/08_replay_build.ipynb #681048bd
 def branch_seeds(seed: int, question: int, branches: int) -> list[int]:
     "The random-generator seed of every branch of question `question` in a build seeded with `seed`."
-    from tmas_nb.llm.transformers_backend import row_seed
     return [row_seed(seed * 1_000_003 + question, b) for b in range(branches)]
+
+# %% ../../nbs/08_replay_build.ipynb #4abbd884
+def prompt_ids(tok, question: str, settings: BuildSettings) -> list[int]:
+    "Token ids of the solve prompt for `question` through the model's chat template."
+    req = Request.from_prompt(settings.prompt.format(question=question), enable_thinking=settings.enable_thinking)
+    return chat_prompt_ids(tok, req)
+
+# %% ../../nbs/08_replay_build.ipynb #d3fe4263
+def _prefill_rows(model, prompt_ids: list[int], n: int, dev):
+    "Prefill the prompt once and copy its cache, last logits and attention mask to `n` rows."
+    import torch
+    ids = torch.tensor([list(prompt_ids)], device=dev); mask = torch.ones_like(ids)
+    cache, logits = _prefill(model, ids, mask)
+    sel = torch.zeros(n, dtype=torch.long, device=dev)
+    cache.batch_select_indices(sel)
+    return cache, logits[sel], mask[sel]
+
+# %% ../../nbs/08_replay_build.ipynb #8eff3237
+def _final_answer(tok, ids: list[int], n_prompt: int, max_new_tokens: int, ends) -> str:
+    "The final answer of a branch that ended on its own: the boxed answer of its decoded text."
+    c = finish_sequence(tok, ids, Request.from_prompt('x', max_new_tokens=max_new_tokens), n_prompt, ends)
+    return store_answer(extract_answer(c.text or c.raw))
 
 # %% ../../nbs/08_replay_build.ipynb #ee976f98
 def sample_branches(model, tok, prompt_ids: list[int], settings: BuildSettings, seeds: list[int],
                     probe_every: int | None = -1) -> list[Branch]:
     "Sample `len(seeds)` branches of one prompt in one batch, probing every `probe_every` tokens (default: the settings')."
     import torch
-    from tmas_nb.llm.transformers_backend import _prefill, _row_sampler_class, end_token_ids, finish_sequence
-    from tmas_nb.llm.core import Request
     T = settings.probe_every if probe_every == -1 else probe_every
     B, L = len(seeds), settings.max_new_tokens
     ends = end_token_ids(model, tok)
@@ -126,10 +155,7 @@ def sample_branches(model, tok, prompt_ids: list[int], settings: BuildSettings, 
                if settings.temperature > 0 else None)
     gen, probes, finals, reasons = [[] for _ in range(B)], [[] for _ in range(B)], [None] * B, [None] * B
     with torch.inference_mode():
-        ids = torch.tensor([list(prompt_ids)], device=dev); mask = torch.ones_like(ids)
-        cache, logits = _prefill(model, ids, mask)
-        sel = torch.zeros(B, dtype=torch.long, device=dev)
-        cache.batch_select_indices(sel); logits, mask = logits[sel], mask[sel]
+        cache, logits, mask = _prefill_rows(model, prompt_ids, B, dev)
         active = list(range(B))
         for step in range(L):
             nxt = sampler.pick(logits, active) if sampler is not None else logits.argmax(-1)
@@ -152,28 +178,13 @@ def sample_branches(model, tok, prompt_ids: list[int], settings: BuildSettings, 
                 for row, a in zip(active, answers):
                     if due: probes[row].append(a)
                     if last: finals[row], reasons[row] = a, 'length'
-    req = Request.from_prompt('x', max_new_tokens=L)
-    out = []
-    for b in range(B):
-        if finals[b] is None:
-            c = finish_sequence(tok, gen[b], req, len(prompt_ids), ends)
-            finals[b] = store_answer(extract_answer(c.text or c.raw))
-        out.append(Branch(gen[b], probes[b], finals[b], reasons[b] or 'length'))
-    return out
-
-# %% ../../nbs/08_replay_build.ipynb #4abbd884
-def prompt_ids(tok, question: str, settings: BuildSettings) -> list[int]:
-    "Token ids of the solve prompt for `question` through the model's chat template."
-    from tmas_nb.llm.core import Request
-    from tmas_nb.llm.transformers_backend import chat_prompt_ids
-    req = Request.from_prompt(settings.prompt.format(question=question), enable_thinking=settings.enable_thinking)
-    return chat_prompt_ids(tok, req)
+    return [Branch(gen[b], probes[b], finals[b] if finals[b] is not None else _final_answer(tok, gen[b], len(prompt_ids), L, ends),
+                   reasons[b] or 'length') for b in range(B)]
 
 # %% ../../nbs/08_replay_build.ipynb #133c0218
 def _model_and_tokenizer(llm_or_model):
     "(model, tokenizer, name) from a model name, a `(model, tokenizer)` pair or a `TransformersBackend`."
     if isinstance(llm_or_model, str):
-        from tmas_nb.llm.models import load_model_and_tokenizer, canonical_model_name
         m, t = load_model_and_tokenizer(llm_or_model)
         return m, t, canonical_model_name(llm_or_model)
     if isinstance(llm_or_model, tuple) and len(llm_or_model) == 2:
@@ -184,10 +195,12 @@ def _model_and_tokenizer(llm_or_model):
     raise ValueError(f"build_store: cannot build from {type(llm_or_model).__name__}; pass a model name, a (model, tokenizer) "
                      "pair or a TransformersBackend (servers without token-level access are not supported)")
 
+# %% ../../nbs/08_replay_build.ipynb #a60cd9a4
 def parts_dir(out) -> Path:
     "The folder of per-question checkpoints next to the store file `out`."
     out = Path(out); return out.with_name(out.name + '.parts')
 
+# %% ../../nbs/08_replay_build.ipynb #a2bd2c0e
 def sidecar_path(out) -> Path:
     "The JSON file with the build's settings, model, benchmark and seeds, next to the store file `out`."
     out = Path(out); return out.with_name(out.stem + '.build.json')
@@ -202,43 +215,13 @@ def _check_resume(side: Path, meta: dict):
         raise ValueError(f"{side}: an earlier build with different {', '.join(diff)} wrote here; "
                          f"pass another --out or delete {side} and {side.with_name(side.name.replace('.build.json', '.json.parts'))}")
 
+# %% ../../nbs/08_replay_build.ipynb #1ddc64ea
 def question_record(problem: Problem, branches: list[Branch], settings: BuildSettings) -> dict:
     "One question of the store in the released layout (plus nothing else)."
     return {'question': problem.question, 'gold_answer': store_answer(problem.answer), 'probe_freq': settings.probe_every,
             'final_answers_trace': [b.final for b in branches], 'each_branch': [b.record() for b in branches]}
 
-# %% ../../nbs/08_replay_build.ipynb #14a17b9e
-def _is_server(llm_or_model) -> bool:
-    "Whether the build goes through a server: an `OpenAIBackend` or a base URL."
-    from tmas_nb.llm.openai_backend import OpenAIBackend
-    return isinstance(llm_or_model, OpenAIBackend) or (isinstance(llm_or_model, str) and
-                                                       llm_or_model.startswith(('http://', 'https://')))
-
-def build_store(llm_or_model, benchmark, limit: int | None = None, branches: int = 16, probe_every: int = 64,
-                max_new_tokens: int = 512, out='store.json', seed: int = 0, progress: bool = True,
-                data_dir=None, model: str | None = None, tokenizer=None, api_key: str | None = None,
-                concurrency: int = 16, **settings) -> ReplayStore:
-    "Sample, probe and write a replay store for the first `limit` problems of `benchmark`; resumes from `out`'s checkpoints."
-    s = BuildSettings(branches=branches, probe_every=probe_every, max_new_tokens=max_new_tokens, seed=seed, **settings)
-    problems = benchmark if isinstance(benchmark, list) else load_benchmark(benchmark, data_dir=data_dir)
-    if limit is not None:
-        if limit < 1: raise ValueError(f"--limit must be >= 1, got {limit}")
-        problems = problems[:limit]
-    out = Path(out)
-    if out.suffix != '.json': raise ValueError(f"{out}: the store file must end in .json")
-    bench = benchmark if isinstance(benchmark, str) else 'problems'
-    if _is_server(llm_or_model):
-        if concurrency < 1: raise ValueError(f"--concurrency must be >= 1, got {concurrency}")
-        from tmas_nb.llm.core import run_sync
-        llm = _server_backend(llm_or_model, model, api_key, concurrency)
-        return run_sync(_build_through_server(llm, problems, bench, s, out, progress, tokenizer))
-    m, tok, name = _model_and_tokenizer(llm_or_model)
-    meta = {'model': name, 'engine': 'transformers', 'benchmark': bench, 'settings': s.to_dict(),
-            'problem_ids': [p.id for p in problems],
-            'branch_seeds': 'tmas_nb.replay.build.branch_seeds(seed, question index, branches)'}
-    def one(qi, p): return sample_branches(m, tok, prompt_ids(tok, p.question, s), s, branch_seeds(s.seed, qi, s.branches))
-    return _build_loop(problems, s, out, meta, one, progress, name)
-
+# %% ../../nbs/08_replay_build.ipynb #a3e80798
 def _todo(problems, out, meta) -> list[int]:
     "Check the sidecar against `meta`, start it, and list the questions without a checkpoint."
     side, parts = sidecar_path(out), parts_dir(out)
@@ -247,10 +230,12 @@ def _todo(problems, out, meta) -> list[int]:
     atomic_write_json(side, {**meta, 'complete': False})
     return [qi for qi in range(len(problems)) if not (parts / f'q{qi:05d}.json').exists()]
 
+# %% ../../nbs/08_replay_build.ipynb #05518544
 def _checkpoint(out, qi: int, p: Problem, bs: list[Branch], s: BuildSettings):
     atomic_write_json(parts_dir(out) / f'q{qi:05d}.json', {'id': p.id, 'record': question_record(p, bs, s),
                                                           'finish_reasons': [b.finish_reason for b in bs]})
 
+# %% ../../nbs/08_replay_build.ipynb #49e25ce9
 def _finish(problems, out, meta, name, done: int, t0: float, **extra) -> ReplayStore:
     "Assemble the store from the checkpoints, validate it, write it and complete the sidecar."
     parts = parts_dir(out)
@@ -261,9 +246,9 @@ def _finish(problems, out, meta, name, done: int, t0: float, **extra) -> ReplayS
                                           'seconds_now': round(time.time() - t0, 1)})
     return load_store_file(out)
 
+# %% ../../nbs/08_replay_build.ipynb #0572fb9d
 def _build_loop(problems, s, out, meta, one, progress, name) -> ReplayStore:
     "The in-process build: one question after the other, each checkpointed as soon as it is done."
-    from tqdm.auto import tqdm
     t0, done = time.time(), 0
     todo = _todo(problems, out, meta)
     for qi in tqdm(todo, desc=f'building {out.name}', unit='question', disable=not progress,
@@ -271,16 +256,64 @@ def _build_loop(problems, s, out, meta, one, progress, name) -> ReplayStore:
         _checkpoint(out, qi, problems[qi], one(qi, problems[qi]), s); done += 1
     return _finish(problems, out, meta, name, done, t0)
 
+# %% ../../nbs/08_replay_build.ipynb #103d352b
+@dataclass
+class ServerSettings:
+    "How a server build reaches the server: served model name, local tokenizer, API key, requests in flight."
+    model: str | None = None       # the served model's name (default: the only one the server lists)
+    tokenizer: object = None       # a tokenizer, a packaged name, a folder or hub id, or 'server'
+    api_key: str | None = None
+    concurrency: int = 16
+
+# %% ../../nbs/08_replay_build.ipynb #987d4863
+def _settings_of(settings, server, given: dict) -> tuple[BuildSettings, ServerSettings]:
+    "The settings of a `build_store` call: `settings` and `server` (or their defaults) with the keyword fields `given` applied."
+    build_names, server_names = [f.name for f in fields(BuildSettings)], [f.name for f in fields(ServerSettings)]
+    unknown = sorted(set(given) - set(build_names) - set(server_names))
+    if unknown:
+        raise TypeError(f"build_store: unknown setting(s) {', '.join(unknown)}; BuildSettings has {', '.join(build_names)}, "
+                        f"ServerSettings has {', '.join(server_names)}")
+    s = replace(settings or BuildSettings(), **{k: v for k, v in given.items() if k in build_names})
+    return s, replace(server or ServerSettings(), **{k: v for k, v in given.items() if k in server_names})
+
+# %% ../../nbs/08_replay_build.ipynb #14a17b9e
+def _is_server(llm_or_model) -> bool:
+    "Whether the build goes through a server: an `OpenAIBackend` or a base URL."
+    return isinstance(llm_or_model, OpenAIBackend) or (isinstance(llm_or_model, str) and
+                                                       llm_or_model.startswith(('http://', 'https://')))
+
+def build_store(llm_or_model, benchmark, limit: int | None = None, out='store.json', progress: bool = True, data_dir=None,
+                settings: BuildSettings | None = None, server: ServerSettings | None = None, **given) -> ReplayStore:
+    "Sample, probe and write a replay store for the first `limit` problems of `benchmark`; resumes from `out`'s checkpoints."
+    s, srv = _settings_of(settings, server, given)
+    problems = benchmark if isinstance(benchmark, list) else load_benchmark(benchmark, data_dir=data_dir)
+    if limit is not None:
+        if limit < 1: raise ValueError(f"--limit must be >= 1, got {limit}")
+        problems = problems[:limit]
+    out = Path(out)
+    if out.suffix != '.json': raise ValueError(f"{out}: the store file must end in .json")
+    bench = benchmark if isinstance(benchmark, str) else 'problems'
+    if _is_server(llm_or_model):
+        if srv.concurrency < 1: raise ValueError(f"--concurrency must be >= 1, got {srv.concurrency}")
+        llm = _server_backend(llm_or_model, srv.model, srv.api_key, srv.concurrency)
+        return run_sync(_build_through_server(llm, problems, bench, s, out, progress, srv.tokenizer))
+    m, tok, name = _model_and_tokenizer(llm_or_model)
+    meta = {'model': name, 'engine': 'transformers', 'benchmark': bench, 'settings': s.to_dict(),
+            'problem_ids': [p.id for p in problems],
+            'branch_seeds': 'tmas_nb.replay.build.branch_seeds(seed, question index, branches)'}
+    def one(qi, p): return sample_branches(m, tok, prompt_ids(tok, p.question, s), s, branch_seeds(s.seed, qi, s.branches))
+    return _build_loop(problems, s, out, meta, one, progress, name)
+
 # %% ../../nbs/08_replay_build.ipynb #ec8ab854
 def server_branch_seeds(seed: int, question: int, branches: int) -> list[int]:
     "The seed sent to the server for every branch of question `question`: `branch_seeds` reduced to 31 bits."
     return [s % 2 ** 31 for s in branch_seeds(seed, question, branches)]
 
+# %% ../../nbs/08_replay_build.ipynb #6e475f6a
 def _local_tokenizer(tokenizer, served_model: str):
     "The local tokenizer for a server build: the one given (object, name or folder), else the served name's when it is local."
     if tokenizer == 'server': return None
     if tokenizer is not None and not isinstance(tokenizer, str): return tokenizer
-    from tmas_nb.llm.models import packaged_model, resolve_model
     name = tokenizer or served_model
     if tokenizer is None and not (packaged_model(name) or Path(name).expanduser().is_dir()): return None
     from transformers import AutoTokenizer
@@ -297,65 +330,73 @@ class ServerBranches:
         self.token_source = 'tokenizer' if tokenizer is not None else 'tokenize'
         self._suffix = None
 
-    async def encode(self, text: str) -> list[int]:
-        "Token ids of generated text (no special tokens added): the local tokenizer's, else the server's."
-        if self.tok is not None: return list(self.tok.encode(text, add_special_tokens=False))
-        return await self.llm.tokenize(text)
+# %% ../../nbs/08_replay_build.ipynb #be8a901b
+@patch
+async def encode(self:ServerBranches, text: str) -> list[int]:
+    "Token ids of generated text (no special tokens added): the local tokenizer's, else the server's."
+    if self.tok is not None: return list(self.tok.encode(text, add_special_tokens=False))
+    return await self.llm.tokenize(text)
 
-    async def prompt_ids(self, question: str) -> list[int]:
-        "Token ids of the solve prompt through the chat template (rendered locally, else by the server)."
-        if self.tok is not None: return prompt_ids(self.tok, question, self.s)
-        from tmas_nb.llm.core import Request
-        msgs = Request.from_prompt(self.s.prompt.format(question=question)).messages
-        return await self.llm.tokenize(messages=msgs, enable_thinking=self.s.enable_thinking)
+# %% ../../nbs/08_replay_build.ipynb #30696ff2
+@patch
+async def prompt_ids(self:ServerBranches, question: str) -> list[int]:
+    "Token ids of the solve prompt through the chat template (rendered locally, else by the server)."
+    if self.tok is not None: return prompt_ids(self.tok, question, self.s)
+    msgs = Request.from_prompt(self.s.prompt.format(question=question)).messages
+    return await self.llm.tokenize(messages=msgs, enable_thinking=self.s.enable_thinking)
 
-    async def complete(self, ids: list[int], role: str, **kw):
-        "One completion of the token ids `ids`."
-        from tmas_nb.llm.core import Request
-        [[c]] = await self.llm.generate([Request.raw(list(ids), role=role, **kw)])
-        return c
+# %% ../../nbs/08_replay_build.ipynb #1fa1bc2b
+@patch
+async def complete(self:ServerBranches, ids: list[int], role: str, **kw):
+    "One completion of the token ids `ids`."
+    [[c]] = await self.llm.generate([Request.raw(list(ids), role=role, **kw)])
+    return c
 
-    async def probe(self, ids: list[int]) -> str:
-        "The answer forced out of `ids` (which end with the probe suffix), by a short greedy completion."
-        c = await self.complete(ids, 'probe', temperature=0, max_new_tokens=self.s.probe_tokens)
-        return probe_reading(self.s.probe_suffix, c.raw)
+# %% ../../nbs/08_replay_build.ipynb #991319ae
+@patch
+async def probe(self:ServerBranches, ids: list[int]) -> str:
+    "The answer forced out of `ids` (which end with the probe suffix), by a short greedy completion."
+    c = await self.complete(ids, 'probe', temperature=0, max_new_tokens=self.s.probe_tokens)
+    return probe_reading(self.s.probe_suffix, c.raw)
 
-    async def branch(self, prompt: list[int], seed: int) -> Branch:
-        "One branch: a seeded completion, its ids re-tokenized, a probe every T of them, and its final answer."
-        s = self.s
-        if self._suffix is None: self._suffix = await self.encode(s.probe_suffix)
-        c = await self.complete(prompt, 'branch', temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                max_new_tokens=s.max_new_tokens, seed=seed)
-        ids, cut = await self.encode(c.raw), c.finish_reason == 'length'
-        # The branch's length is the server's own count when it gives one (re-tokenized text can split a token in two);
-        # probe positions follow that count, the prefix of each probe is the re-tokenized text up to it.
-        counted = c.completion_tokens if c.completion_tokens and c.completion_tokens > 0 else None
-        ran = (counted - (0 if cut else 1)) if counted is not None else len(ids)
-        points = list(range(s.probe_every, ran + 1, s.probe_every))
-        ends = points + ([ran] if cut and (not points or points[-1] != ran) else [])
-        answers = await asyncio.gather(*(self.probe(prompt + ids[:k] + self._suffix) for k in ends))
-        final = answers[-1] if cut else store_answer(extract_answer(c.text or c.raw))
-        return Branch(ids, list(answers[:len(points)]), final, 'length' if cut else 'stop', end_tokens=0 if cut else 1,
-                      counted=counted)
+# %% ../../nbs/08_replay_build.ipynb #44ed97f4
+@patch
+async def branch(self:ServerBranches, prompt: list[int], seed: int) -> Branch:
+    "One branch: a seeded completion, its ids re-tokenized, a probe every T of them, and its final answer."
+    s = self.s
+    if self._suffix is None: self._suffix = await self.encode(s.probe_suffix)
+    c = await self.complete(prompt, 'branch', temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                            max_new_tokens=s.max_new_tokens, seed=seed)
+    ids, cut = await self.encode(c.raw), c.finish_reason == 'length'
+    # The branch's length is the server's own count when it gives one (re-tokenized text can split a token in two);
+    # probe positions follow that count, the prefix of each probe is the re-tokenized text up to it.
+    counted = c.completion_tokens if c.completion_tokens and c.completion_tokens > 0 else None
+    ran = (counted - (0 if cut else 1)) if counted is not None else len(ids)
+    points = list(range(s.probe_every, ran + 1, s.probe_every))
+    ends = points + ([ran] if cut and (not points or points[-1] != ran) else [])
+    answers = await asyncio.gather(*(self.probe(prompt + ids[:k] + self._suffix) for k in ends))
+    final = answers[-1] if cut else store_answer(extract_answer(c.text or c.raw))
+    return Branch(ids, list(answers[:len(points)]), final, 'length' if cut else 'stop', end_tokens=0 if cut else 1,
+                  counted=counted)
 
-    async def question(self, question: str, seeds: list[int]) -> list[Branch]:
-        "All branches of one question, sent together."
-        prompt = await self.prompt_ids(question)
-        return list(await asyncio.gather(*(self.branch(prompt, sd) for sd in seeds)))
+# %% ../../nbs/08_replay_build.ipynb #172953d9
+@patch
+async def question(self:ServerBranches, question: str, seeds: list[int]) -> list[Branch]:
+    "All branches of one question, sent together."
+    prompt = await self.prompt_ids(question)
+    return list(await asyncio.gather(*(self.branch(prompt, sd) for sd in seeds)))
 
 # %% ../../nbs/08_replay_build.ipynb #23d47b6b
 def _server_backend(llm_or_url, model: str | None, api_key: str | None, concurrency: int):
     "An `OpenAIBackend` from a base URL, or the backend given."
-    from tmas_nb.llm.openai_backend import OpenAIBackend
     if isinstance(llm_or_url, OpenAIBackend): return llm_or_url
     return OpenAIBackend(model, base_url=llm_or_url, api_key=api_key, max_concurrency=concurrency, discover=False)
 
+# %% ../../nbs/08_replay_build.ipynb #f66acd9d
 _TOKENIZER_CHECK = 'Compute 12 * 34 step by step: first 12 * 30 = 360, then 12 * 4 = 48; so the answer is \\boxed{408}.'
 
 async def _server_session(llm, tokenizer, settings: BuildSettings) -> ServerBranches:
     "Check the server (reachable, serving the model, tokenizer agreeing) and return the per-question worker."
-    import httpx
-    from tmas_nb.llm.openai_backend import LLMRequestError
     headers = {'Authorization': f'Bearer {llm.api_key}'} if llm.api_key else {}
     try:
         async with httpx.AsyncClient(timeout=llm.connect_timeout) as client: r = await client.get(llm.base_url + '/models', headers=headers)
@@ -383,6 +424,7 @@ async def _server_session(llm, tokenizer, settings: BuildSettings) -> ServerBran
                              "tokenizer, or --tokenizer server")
     return ServerBranches(llm, settings, tok)
 
+# %% ../../nbs/08_replay_build.ipynb #182c8a35
 def _server_error(llm, e) -> ValueError:
     "A one-line error for a failed request of a server build."
     if e.status_code == 404 and 'does not exist' not in e.last_error:
@@ -396,8 +438,6 @@ def _server_error(llm, e) -> ValueError:
 # %% ../../nbs/08_replay_build.ipynb #3accf286
 async def _build_through_server(llm, problems, bench, s: BuildSettings, out: Path, progress: bool, tokenizer) -> ReplayStore:
     "The server build: a few questions in flight at once, each checkpointed as soon as it is done."
-    from tqdm.auto import tqdm
-    from tmas_nb.llm.openai_backend import LLMRequestError
     try:
         worker = await _server_session(llm, tokenizer, s)
         name = llm.model
@@ -428,23 +468,22 @@ async def _build_through_server(llm, problems, bench, s: BuildSettings, out: Pat
 
 # %% ../../nbs/08_replay_build.ipynb #44526088
 def _cmd_build(args) -> int:
-    if args.threads: 
+    if args.threads:
         import torch; torch.set_num_threads(args.threads)
-    kw = dict(temperature=args.temperature, top_p=args.top_p, probe_tokens=args.probe_tokens)
-    if args.base_url:
-        kw.update(model=args.model, tokenizer=args.tokenizer, api_key=args.api_key, concurrency=args.concurrency)
-    elif args.tokenizer or args.api_key: raise ValueError("--tokenizer and --api-key are for a server build; add --base-url URL")
-    st = build_store(args.base_url or args.model, args.benchmark, args.limit, args.branches, args.probe_every,
-                     args.max_new_tokens, args.out, args.seed, data_dir=args.data_dir, **kw)
+    if not args.base_url and (args.tokenizer or args.api_key):
+        raise ValueError("--tokenizer and --api-key are for a server build; add --base-url URL")
+    s = BuildSettings(branches=args.branches, probe_every=args.probe_every, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                      temperature=args.temperature, top_p=args.top_p, probe_tokens=args.probe_tokens)
+    server = ServerSettings(args.model, args.tokenizer, args.api_key, args.requests_in_flight) if args.base_url else None
+    st = build_store(args.base_url or args.model, args.benchmark, args.limit, out=args.out, data_dir=args.data_dir,
+                     settings=s, server=server, progress=not args.quiet)
     print(f"{args.out}: {st.n_questions} questions x {int(st.n_branches.max())} branches, a probe every {args.probe_every} tokens, "
           f"{st.tokens.mean():.0f} tokens per branch on average; settings in {sidecar_path(args.out)}")
     return 0
 
-def add_build_cli(replay_subparsers) -> None:
-    "Add `build` to the `tmas replay` subcommands."
-    b = replay_subparsers.add_parser('build', help='build a replay store from a model (branches probed every T tokens)',
-                                     description='Sample B branches per question, probe each every T tokens, write a store the loader validates. '
-                                                 'Resumes from STORE.json.parts/ after an interruption.')
+# %% ../../nbs/08_replay_build.ipynb #2599064e
+def build_cli(b) -> None:
+    "The flags of `tmas replay build`."
     b.add_argument('--model', required=True,
                    help="model: packaged name (default, smollm2), local folder or hub id; with --base-url the served model's name")
     b.add_argument('--benchmark', required=True, metavar='NAME_OR_FILE', help='benchmark name (demo, hmmt25, ...) or a JSONL/CSV file')
@@ -465,5 +504,7 @@ def add_build_cli(replay_subparsers) -> None:
     b.add_argument('--tokenizer', default=None, metavar='NAME',
                    help="tokenizer of the served model for --base-url (default: --model when it is packaged or a local folder, "
                         "else the server's; 'server' forces the server's)")
-    b.add_argument('--concurrency', type=int, default=16, help='most requests in flight with --base-url (default 16)')
+    b.add_argument('--requests-in-flight', type=int, default=16, help='most requests in flight with --base-url (default 16)')
+    deprecated_alias(b, '--concurrency', '--requests-in-flight', 'requests_in_flight', type=int)
+    b.add_argument('--quiet', action='store_true', help='no progress bar')
     b.set_defaults(func=_cmd_build)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 import numpy as np
+from fastcore.basics import patch
 
 from .store import ReplayStore
 
@@ -18,9 +19,11 @@ __all__ = ['Action', 'IllegalAction', 'Step', 'ReplayEnv']
 class Action(str, Enum):
     BRANCH = 'BRANCH'; CONTINUE = 'CONTINUE'; PROBE = 'PROBE'; PRUNE = 'PRUNE'; ANSWER = 'ANSWER'; READ_WHOLE = 'READ_WHOLE'
 
+# %% ../../nbs/02_replay_environment.ipynb #1e0d62e6
 class IllegalAction(ValueError):
     "An action that the current state does not admit; it was not applied and cost nothing."
 
+# %% ../../nbs/02_replay_environment.ipynb #d2c31af0
 @dataclass
 class Step:
     "One applied action, for traces."
@@ -30,6 +33,7 @@ class Step:
     cost: int
     finished: bool = False
 
+# %% ../../nbs/02_replay_environment.ipynb #29b8b2b9
 @dataclass
 class ReplayEnv:
     "One episode on question `question` of `store`, branches opened in the order of `seed` (None: stored order)."
@@ -56,99 +60,141 @@ class ReplayEnv:
         self.depth, self.tokens_read, self.pruned, self.latest = [], [], [], []
         self.probes_revealed, self.trace = [], []
 
-    # --- state -------------------------------------------------------------
-    @property
-    def m(self) -> int: "Branches instantiated so far."; return len(self.depth)
-    @property
-    def n_available(self) -> int: "Branches that can still be opened."; return len(self.order) - self.m
-    def finished(self, i: int) -> bool: return self.depth[i] > self._np(i)
-    @property
-    def active(self) -> list[int]: "I: opened branches that are neither pruned nor finished."; return [i for i in range(self.m) if not self.pruned[i] and not self.finished(i)]
-    @property
-    def cost(self) -> float: "Σ ℓ + κ_probe·|Ω|."; return sum(self.tokens_read) + self.probe_cost * len(self.probes_revealed)
-    def state(self) -> dict:
-        "The paper's state tuple (q, m, I, ℓ, Ω) as a dict."
-        return dict(q=self.question, m=self.m, I=self.active, l=list(self.tokens_read),
-                    Omega=[(b, d, self.store.answer(self.question, a)) for b, d, a in self.probes_revealed])
+# %% ../../nbs/02_replay_environment.ipynb #e92ea1ed
+@patch
+def _b(self:ReplayEnv, i): return int(self.order[i])
 
-    # --- internals ---------------------------------------------------------
-    def _b(self, i): return int(self.order[i])
-    def _np(self, i): return int(self.store.n_probes[self.question, self._b(i)])
-    def _check(self, i, what):
-        if self.done: raise IllegalAction(f"{what}: the episode already answered")
-        if not isinstance(i, (int, np.integer)) or not 0 <= i < self.m:
-            raise IllegalAction(f"{what}({i}): branch {i} was never opened (opened: 0..{self.m - 1})" if self.m else f"{what}({i}): no branch has been opened yet")
-        if self.pruned[i]: raise IllegalAction(f"{what}({i}): branch {i} was pruned")
-    def _log(self, action, i, a, c, fin=False):
-        if self.record: self.trace.append(Step(action, i, self.store.answer(self.question, a) if a is not None else None, c, fin))
-    def _read_interval(self, i) -> tuple[int, int, bool]:
-        q, b, d, n = self.question, self._b(i), self.depth[i], self._np(i)
-        if d < n: a, c = int(self.store.probes[q, b, d]), int(self.store.probe_freq[q])
-        else: a, c = int(self.store.finals[q, b]), max(0, int(self.store.tokens[q, b]) - int(self.store.probe_freq[q]) * n)
-        self.depth[i] = d + 1; self.tokens_read[i] += c; self.latest[i] = a
-        return a, c, d >= n
+@patch
+def _np(self:ReplayEnv, i): return int(self.store.n_probes[self.question, self._b(i)])
 
-    # --- actions -----------------------------------------------------------
-    def branch_id(self) -> tuple[int, int, bool]:
-        "BRANCH, with the answer as an id: returns (branch index, answer id, finished)."
-        if self.done: raise IllegalAction("BRANCH: the episode already answered")
-        if self.n_available <= 0: raise IllegalAction(f"BRANCH: all {len(self.order)} branches are already open")
-        self.depth.append(0); self.tokens_read.append(0); self.pruned.append(False); self.latest.append(-1)
-        i = self.m - 1
-        a, c, fin = self._read_interval(i)
-        self._log(Action.BRANCH, i, a, c, fin)
-        return i, a, fin
+# %% ../../nbs/02_replay_environment.ipynb #5204d549
+@patch(as_prop=True)
+def m(self:ReplayEnv) -> int: "Branches instantiated so far."; return len(self.depth)
 
-    def branch(self) -> tuple[int, str, bool]:
-        "BRANCH: open the next branch and read its first interval; returns (branch index, answer, finished)."
-        i, a, fin = self.branch_id(); return i, self.store.answer(self.question, a), fin
+# %% ../../nbs/02_replay_environment.ipynb #c2be4068
+@patch(as_prop=True)
+def n_available(self:ReplayEnv) -> int: "Branches that can still be opened."; return len(self.order) - self.m
 
-    def read_whole_id(self) -> int:
-        "Open the next branch and read all of it for `branch_tokens`; returns the final answer id."
-        if self.done: raise IllegalAction("READ_WHOLE: the episode already answered")
-        if self.n_available <= 0: raise IllegalAction(f"READ_WHOLE: all {len(self.order)} branches are already open")
-        i = self.m; b = self._b(i); q = self.question
-        c = int(self.store.tokens[q, b]); a = int(self.store.finals[q, b])
-        self.depth.append(self._np(i) + 1); self.tokens_read.append(c); self.pruned.append(False); self.latest.append(a)
-        self._log(Action.READ_WHOLE, i, a, c, True)
-        return a
+# %% ../../nbs/02_replay_environment.ipynb #ad0cb216
+@patch
+def finished(self:ReplayEnv, i: int) -> bool: return self.depth[i] > self._np(i)
 
-    def read_whole(self) -> str:
-        "Open the next branch and read all of it; returns its final answer."
-        return self.store.answer(self.question, self.read_whole_id())
+# %% ../../nbs/02_replay_environment.ipynb #228d6f81
+@patch(as_prop=True)
+def active(self:ReplayEnv) -> list[int]: "I: opened branches that are neither pruned nor finished."; return [i for i in range(self.m) if not self.pruned[i] and not self.finished(i)]
 
-    def advance_id(self, i: int) -> tuple[int, bool]:
-        "CONTINUE(i) with the answer as an id: returns (answer id, finished)."
-        self._check(i, 'CONTINUE')
-        if self.finished(i): raise IllegalAction(f"CONTINUE({i}): branch {i} is finished (its final answer was already read)")
-        a, c, fin = self._read_interval(i)
-        self._log(Action.CONTINUE, i, a, c, fin)
-        return a, fin
+# %% ../../nbs/02_replay_environment.ipynb #ca7871d9
+@patch(as_prop=True)
+def cost(self:ReplayEnv) -> float: "Σ ℓ + κ_probe·|Ω|."; return sum(self.tokens_read) + self.probe_cost * len(self.probes_revealed)
 
-    def advance(self, i: int) -> tuple[str, bool]:
-        "CONTINUE(i): read one more interval of branch i; returns (answer there, finished)."
-        a, fin = self.advance_id(i); return self.store.answer(self.question, a), fin
+# %% ../../nbs/02_replay_environment.ipynb #e279a6e3
+@patch
+def state(self:ReplayEnv) -> dict:
+    "The paper's state tuple (q, m, I, ℓ, Ω) as a dict."
+    return dict(q=self.question, m=self.m, I=self.active, l=list(self.tokens_read),
+                Omega=[(b, d, self.store.answer(self.question, a)) for b, d, a in self.probes_revealed])
 
-    def probe(self, i: int) -> str:
-        "PROBE(i): the answer of branch i at its current depth, without reading further; costs κ_probe."
-        self._check(i, 'PROBE')
-        a = self.latest[i]
-        self.probes_revealed.append((i, self.depth[i], a))
-        self._log(Action.PROBE, i, a, self.probe_cost)
-        return self.store.answer(self.question, a)
+# %% ../../nbs/02_replay_environment.ipynb #23fff0b1
+@patch
+def _check(self:ReplayEnv, i, what):
+    if self.done: raise IllegalAction(f"{what}: the episode already answered")
+    if not isinstance(i, (int, np.integer)) or not 0 <= i < self.m:
+        raise IllegalAction(f"{what}({i}): branch {i} was never opened (opened: 0..{self.m - 1})" if self.m else f"{what}({i}): no branch has been opened yet")
+    if self.pruned[i]: raise IllegalAction(f"{what}({i}): branch {i} was pruned")
 
-    def prune(self, i: int) -> None:
-        "PRUNE(i): deactivate branch i (its tokens stay charged)."
-        self._check(i, 'PRUNE')
-        self.pruned[i] = True
-        self._log(Action.PRUNE, i, None, 0)
+# %% ../../nbs/02_replay_environment.ipynb #8187660e
+@patch
+def _log(self:ReplayEnv, action, i, a, c, fin=False):
+    if self.record: self.trace.append(Step(action, i, self.store.answer(self.question, a) if a is not None else None, c, fin))
 
-    def answer(self, a: str | None) -> bool:
-        "ANSWER: stop with answer `a`; returns whether it matches the gold answer exactly."
-        if self.done: raise IllegalAction("ANSWER: the episode already answered")
-        self.done, self.final_answer = True, a
-        if self.record: self.trace.append(Step(Action.ANSWER, None, a, 0))
-        return a == self.store.gold_answers[self.question]
+# %% ../../nbs/02_replay_environment.ipynb #7ea6f83a
+@patch
+def _read_interval(self:ReplayEnv, i) -> tuple[int, int, bool]:
+    q, b, d, n = self.question, self._b(i), self.depth[i], self._np(i)
+    if d < n: a, c = int(self.store.probes[q, b, d]), int(self.store.probe_freq[q])
+    else: a, c = int(self.store.finals[q, b]), max(0, int(self.store.tokens[q, b]) - int(self.store.probe_freq[q]) * n)
+    self.depth[i] = d + 1; self.tokens_read[i] += c; self.latest[i] = a
+    return a, c, d >= n
 
-    @property
-    def correct(self) -> bool: return self.done and self.final_answer == self.store.gold_answers[self.question]
+# %% ../../nbs/02_replay_environment.ipynb #b4526a54
+@patch
+def branch_id(self:ReplayEnv) -> tuple[int, int, bool]:
+    "BRANCH, with the answer as an id: returns (branch index, answer id, finished)."
+    if self.done: raise IllegalAction("BRANCH: the episode already answered")
+    if self.n_available <= 0: raise IllegalAction(f"BRANCH: all {len(self.order)} branches are already open")
+    self.depth.append(0); self.tokens_read.append(0); self.pruned.append(False); self.latest.append(-1)
+    i = self.m - 1
+    a, c, fin = self._read_interval(i)
+    self._log(Action.BRANCH, i, a, c, fin)
+    return i, a, fin
+
+# %% ../../nbs/02_replay_environment.ipynb #753020fd
+@patch
+def branch(self:ReplayEnv) -> tuple[int, str, bool]:
+    "BRANCH: open the next branch and read its first interval; returns (branch index, answer, finished)."
+    i, a, fin = self.branch_id(); return i, self.store.answer(self.question, a), fin
+
+# %% ../../nbs/02_replay_environment.ipynb #79c09b87
+@patch
+def read_whole_id(self:ReplayEnv) -> int:
+    "Open the next branch and read all of it for `branch_tokens`; returns the final answer id."
+    if self.done: raise IllegalAction("READ_WHOLE: the episode already answered")
+    if self.n_available <= 0: raise IllegalAction(f"READ_WHOLE: all {len(self.order)} branches are already open")
+    i = self.m; b = self._b(i); q = self.question
+    c = int(self.store.tokens[q, b]); a = int(self.store.finals[q, b])
+    self.depth.append(self._np(i) + 1); self.tokens_read.append(c); self.pruned.append(False); self.latest.append(a)
+    self._log(Action.READ_WHOLE, i, a, c, True)
+    return a
+
+# %% ../../nbs/02_replay_environment.ipynb #78174228
+@patch
+def read_whole(self:ReplayEnv) -> str:
+    "Open the next branch and read all of it; returns its final answer."
+    return self.store.answer(self.question, self.read_whole_id())
+
+# %% ../../nbs/02_replay_environment.ipynb #254be874
+@patch
+def advance_id(self:ReplayEnv, i: int) -> tuple[int, bool]:
+    "CONTINUE(i) with the answer as an id: returns (answer id, finished)."
+    self._check(i, 'CONTINUE')
+    if self.finished(i): raise IllegalAction(f"CONTINUE({i}): branch {i} is finished (its final answer was already read)")
+    a, c, fin = self._read_interval(i)
+    self._log(Action.CONTINUE, i, a, c, fin)
+    return a, fin
+
+# %% ../../nbs/02_replay_environment.ipynb #6c49980c
+@patch
+def advance(self:ReplayEnv, i: int) -> tuple[str, bool]:
+    "CONTINUE(i): read one more interval of branch i; returns (answer there, finished)."
+    a, fin = self.advance_id(i); return self.store.answer(self.question, a), fin
+
+# %% ../../nbs/02_replay_environment.ipynb #9eacc23f
+@patch
+def probe(self:ReplayEnv, i: int) -> str:
+    "PROBE(i): the answer of branch i at its current depth, without reading further; costs κ_probe."
+    self._check(i, 'PROBE')
+    a = self.latest[i]
+    self.probes_revealed.append((i, self.depth[i], a))
+    self._log(Action.PROBE, i, a, self.probe_cost)
+    return self.store.answer(self.question, a)
+
+# %% ../../nbs/02_replay_environment.ipynb #0c409e45
+@patch
+def prune(self:ReplayEnv, i: int) -> None:
+    "PRUNE(i): deactivate branch i (its tokens stay charged)."
+    self._check(i, 'PRUNE')
+    self.pruned[i] = True
+    self._log(Action.PRUNE, i, None, 0)
+
+# %% ../../nbs/02_replay_environment.ipynb #cdf4b826
+@patch
+def answer(self:ReplayEnv, a: str | None) -> bool:
+    "ANSWER: stop with answer `a`; returns whether it matches the gold answer exactly."
+    if self.done: raise IllegalAction("ANSWER: the episode already answered")
+    self.done, self.final_answer = True, a
+    if self.record: self.trace.append(Step(Action.ANSWER, None, a, 0))
+    return a == self.store.gold_answers[self.question]
+
+# %% ../../nbs/02_replay_environment.ipynb #4721546e
+@patch(as_prop=True)
+def correct(self:ReplayEnv) -> bool: return self.done and self.final_answer == self.store.gold_answers[self.question]

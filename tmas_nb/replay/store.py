@@ -10,6 +10,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
+from fastcore.basics import patch
 
 from ..core import data_dir, find_data_dir, fetch_hint
 
@@ -21,6 +22,7 @@ __all__ = ['MODELS', 'DATASETS', 'ReplayStoreError', 'ReplayStore', 'load_store_
 MODELS = ('Qwen3-0.6B', 'Qwen3-1.7B', 'Qwen3-4B', 'Qwen3-8B')
 DATASETS = ('aime24', 'aime25', 'hmmt25')
 
+# %% ../../nbs/01_replay_store.ipynb #dc55fa56
 class ReplayStoreError(ValueError):
     "A replay store file is malformed; the message names the file, the question index and the field."
 
@@ -28,6 +30,7 @@ def _fail(path, qi, fld, msg):
     where = f"{path}" + (f", question {qi}" if qi is not None else "") + (f", field '{fld}'" if fld else "")
     raise ReplayStoreError(f"{where}: {msg}")
 
+# %% ../../nbs/01_replay_store.ipynb #25522ba0
 def _check_question(path, qi, d):
     if not isinstance(d, dict): _fail(path, qi, None, f"expected an object, got {type(d).__name__}")
     for k in ('question', 'gold_answer', 'probe_freq', 'each_branch'):
@@ -74,60 +77,65 @@ class ReplayStore:
 
     def __len__(self): return self.n_questions
 
-    def answer(self, q: int, a: int) -> str | None:
-        "The answer string of id `a` for question `q` (None for -1)."
-        return None if a < 0 else self.vocab[q][a]
+# %% ../../nbs/01_replay_store.ipynb #890df499
+@patch(cls_method=True)
+def from_records(cls:ReplayStore, records: list, name: str = 'store', path=None) -> 'ReplayStore':
+    "Build a store from the parsed JSON list (validated; errors name the question and field)."
+    src = path or name
+    if not isinstance(records, list): _fail(src, None, None, "the file must hold a JSON list of questions")
+    if not records: _fail(src, None, None, "the store holds no questions")
+    for qi, d in enumerate(records): _check_question(src, qi, d)
+    Q = len(records)
+    B = max(len(d['each_branch']) for d in records)
+    L = max(max((len(b[0]) for b in d['each_branch']), default=0) for d in records)
+    L = max(L, 1)
+    probes = np.full((Q, B, L), -1, dtype=np.int32)
+    n_probes = np.zeros((Q, B), dtype=np.int32)
+    tokens = np.zeros((Q, B), dtype=np.int64)
+    finals = np.full((Q, B), -1, dtype=np.int32)
+    gold = np.zeros(Q, dtype=np.int32)
+    nbr = np.zeros(Q, dtype=np.int32)
+    vocab = []
+    for qi, d in enumerate(records):
+        ids: dict[str, int] = {}
+        def intern(a):
+            i = ids.get(a)
+            if i is None: i = ids[a] = len(ids)
+            return i
+        for bi, (pl, tok, fin) in enumerate(d['each_branch']):
+            finals[qi, bi] = intern(fin)
+            tokens[qi, bi] = int(tok)
+            n_probes[qi, bi] = len(pl)
+            if pl: probes[qi, bi, :len(pl)] = [intern(a) for a in pl]
+        gold[qi] = intern(d['gold_answer'])
+        nbr[qi] = len(d['each_branch'])
+        vocab.append(list(ids))
+    return cls(name=name, questions=[d['question'] for d in records], gold_answers=[d['gold_answer'] for d in records],
+               vocab=vocab, probe_freq=np.array([d['probe_freq'] for d in records], dtype=np.int64),
+               probes=probes, n_probes=n_probes, tokens=tokens, finals=finals, n_branches=nbr, gold=gold,
+               path=Path(path) if path else None)
 
-    def orders(self, seeds) -> np.ndarray:
-        "Branch orders `[len(seeds), Q, B]` of the evaluation protocol (seed s: `random.Random(s).shuffle`)."
-        seeds = [int(s) for s in seeds]
-        out = np.zeros((len(seeds), self.n_questions, self.probes.shape[1]), dtype=np.int32)
-        for i, s in enumerate(seeds):
-            for q in range(self.n_questions):
-                nb = int(self.n_branches[q])
-                key = (s, nb)
-                if key not in self._orders:
-                    perm = list(range(nb)); random.Random(s).shuffle(perm)
-                    self._orders[key] = np.asarray(perm, dtype=np.int32)
-                out[i, q, :nb] = self._orders[key]
-        return out
+# %% ../../nbs/01_replay_store.ipynb #984c5a24
+@patch
+def answer(self:ReplayStore, q: int, a: int) -> str | None:
+    "The answer string of id `a` for question `q` (None for -1)."
+    return None if a < 0 else self.vocab[q][a]
 
-    @classmethod
-    def from_records(cls, records: list, name: str = 'store', path=None) -> 'ReplayStore':
-        "Build a store from the parsed JSON list (validated; errors name the question and field)."
-        src = path or name
-        if not isinstance(records, list): _fail(src, None, None, "the file must hold a JSON list of questions")
-        if not records: _fail(src, None, None, "the store holds no questions")
-        for qi, d in enumerate(records): _check_question(src, qi, d)
-        Q = len(records)
-        B = max(len(d['each_branch']) for d in records)
-        L = max(max((len(b[0]) for b in d['each_branch']), default=0) for d in records)
-        L = max(L, 1)
-        probes = np.full((Q, B, L), -1, dtype=np.int32)
-        n_probes = np.zeros((Q, B), dtype=np.int32)
-        tokens = np.zeros((Q, B), dtype=np.int64)
-        finals = np.full((Q, B), -1, dtype=np.int32)
-        gold = np.zeros(Q, dtype=np.int32)
-        nbr = np.zeros(Q, dtype=np.int32)
-        vocab = []
-        for qi, d in enumerate(records):
-            ids: dict[str, int] = {}
-            def intern(a):
-                i = ids.get(a)
-                if i is None: i = ids[a] = len(ids)
-                return i
-            for bi, (pl, tok, fin) in enumerate(d['each_branch']):
-                finals[qi, bi] = intern(fin)
-                tokens[qi, bi] = int(tok)
-                n_probes[qi, bi] = len(pl)
-                if pl: probes[qi, bi, :len(pl)] = [intern(a) for a in pl]
-            gold[qi] = intern(d['gold_answer'])
-            nbr[qi] = len(d['each_branch'])
-            vocab.append(list(ids))
-        return cls(name=name, questions=[d['question'] for d in records], gold_answers=[d['gold_answer'] for d in records],
-                   vocab=vocab, probe_freq=np.array([d['probe_freq'] for d in records], dtype=np.int64),
-                   probes=probes, n_probes=n_probes, tokens=tokens, finals=finals, n_branches=nbr, gold=gold,
-                   path=Path(path) if path else None)
+# %% ../../nbs/01_replay_store.ipynb #c6a58b6b
+@patch
+def orders(self:ReplayStore, seeds) -> np.ndarray:
+    "Branch orders `[len(seeds), Q, B]` of the evaluation protocol (seed s: `random.Random(s).shuffle`)."
+    seeds = [int(s) for s in seeds]
+    out = np.zeros((len(seeds), self.n_questions, self.probes.shape[1]), dtype=np.int32)
+    for i, s in enumerate(seeds):
+        for q in range(self.n_questions):
+            nb = int(self.n_branches[q])
+            key = (s, nb)
+            if key not in self._orders:
+                perm = list(range(nb)); random.Random(s).shuffle(perm)
+                self._orders[key] = np.asarray(perm, dtype=np.int32)
+            out[i, q, :nb] = self._orders[key]
+    return out
 
 # %% ../../nbs/01_replay_store.ipynb #6c99435d
 def load_store_file(path) -> ReplayStore:
@@ -141,12 +149,14 @@ def load_store_file(path) -> ReplayStore:
     name = f"{path.parent.name}/{path.stem}"
     return ReplayStore.from_records(records, name=name, path=path)
 
+# %% ../../nbs/01_replay_store.ipynb #5c71a33a
 def replay_dir(data_dir_=None) -> Path:
     "The folder holding `<model>/<dataset>.json`: `<data>/autotts_replay`, or `data_dir_` itself when it is that folder."
     root = data_dir(data_dir_)
     if (root / 'autotts_replay').is_dir() or data_dir_ is None: return root / 'autotts_replay'
     return root if any(root.glob('*/*.json')) else root / 'autotts_replay'
 
+# %% ../../nbs/01_replay_store.ipynb #e099c45d
 def store_path(model: str, dataset: str, data_dir_=None) -> Path:
     "Path of the store for `model` × `dataset` under the data folder (`TMAS_DATA_DIR`) or the replay folder itself."
     rdir = replay_dir(data_dir_)
@@ -157,6 +167,7 @@ def store_path(model: str, dataset: str, data_dir_=None) -> Path:
                                 f"Available: {', '.join(avail) or 'none'}. {fetch_hint(f'autotts_replay/{model}/{dataset}.json')}")
     return p
 
+# %% ../../nbs/01_replay_store.ipynb #f889d38a
 @lru_cache(maxsize=32)
 def _load_cached(path: str, mtime: float) -> ReplayStore: return load_store_file(path)
 
@@ -165,6 +176,7 @@ def load_store(model: str, dataset: str, data_dir=None) -> ReplayStore:
     p = store_path(model, dataset, data_dir)
     return _load_cached(str(p), p.stat().st_mtime)
 
+# %% ../../nbs/01_replay_store.ipynb #9e47f7f0
 def available_stores(data_dir_=None) -> list[tuple[str, str]]:
     "All `(model, dataset)` pairs present under `<data>/autotts_replay` (or under `data_dir_` when it is that folder)."
     if find_data_dir(data_dir_) is None: return []
