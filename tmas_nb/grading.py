@@ -194,8 +194,10 @@ MAX_LOG_CHARS = 200
 class _Excerpt(logging.Filter):
     "Shorten a log message that quotes a whole (possibly huge) answer to its first `MAX_LOG_CHARS` characters."
     def filter(self, record):
+        if getattr(record, 'tmas_excerpt', False): return True        # shortened already (the filter may be added twice)
         msg = record.getMessage()
-        if len(msg) > MAX_LOG_CHARS: record.msg, record.args = f"{msg[:MAX_LOG_CHARS]}... ({len(msg):,} characters)", ()
+        if len(msg) > MAX_LOG_CHARS:
+            record.msg, record.args, record.tmas_excerpt = f"{msg[:MAX_LOG_CHARS]}... ({len(msg):,} characters)", (), True
         return True
 
 for _name in ('math_verify.parser', 'math_verify.grader'): logging.getLogger(_name).addFilter(_Excerpt())
