@@ -90,10 +90,11 @@ def _differences(old: dict, new: dict) -> list[str]:
     return out
 
 def check_run_folder(run_dir) -> Path:
-    "`run_dir` when it is new, empty (but for a lock file) or holds a `config.json`; a file or a folder of other things is an error."
+    "`run_dir` when it is new, empty (but for a lock file and the temporary file of an interrupted write) or holds a `config.json`; a file or a folder of other things is an error."
     run_dir = Path(run_dir)
     if run_dir.is_file(): raise NotADirectoryError(f"--out {run_dir} is a file, not a folder; choose a folder for the run")
-    if run_dir.is_dir() and not (run_dir / 'config.json').exists() and any(p.name != LOCK_FILE for p in run_dir.iterdir()):
+    leftover = lambda p: p.name == LOCK_FILE or (p.name.startswith('.') and p.name.endswith('.tmp'))   # a run killed at its start
+    if run_dir.is_dir() and not (run_dir / 'config.json').exists() and not all(leftover(p) for p in run_dir.iterdir()):
         raise ValueError(f"{run_dir} is not empty and has no config.json, so it is not a run folder; choose a new --out folder")
     return run_dir
 

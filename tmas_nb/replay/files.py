@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from .authors_api import (AuthorsQuestion, install_authors_shims, replay_log, store_records)
 from ..sandbox import Sandbox, SandboxLimits, bwrap_binary, sandbox_mode, redact, _WARNED
+from ..settings import SandboxSettings
 if TYPE_CHECKING: from tmas_nb.replay.store import ReplayStore   # the child stays free of NumPy unless the file needs it
 
 # %% auto #0
@@ -304,10 +305,18 @@ def _failed(name, store, seeds, api, err, mode):
     return dict(controller=name, store=store.name, acc=nan, avg_tokens=nan, ci_low=nan, ci_high=nan, seeds=len(seeds),
                 error=err, api=api, sandbox=mode, limits=_enforcement(mode), unrevealed=0, seconds=0.0, per_question_acc=[], per_question_tokens=[])
 
-def _evaluate_configs(path, class_name, configs, store, seeds, api, timeout, memory_mb, jobs, sandbox, stateless, n_boot=2000):
+def _sandbox_settings(settings, given: dict):
+    "`settings` (a `SandboxSettings`, default: its defaults) with the fields in `given` replaced; unknown names are an error."
+    from dataclasses import fields, replace
+    names = {f.name for f in fields(SandboxSettings)}
+    bad = sorted(set(given) - names)
+    if bad: raise TypeError(f"unknown sandbox setting(s) {', '.join(bad)}; SandboxSettings has {', '.join(sorted(names))}")
+    return replace(settings or SandboxSettings(), **given)
+
+def _evaluate_configs(path, class_name, configs, store, seeds, s: SandboxSettings, n_boot=2000):
     import numpy as np
     path = Path(path)
-    if api not in _APIS: raise ValueError(f"api must be one of {', '.join(_APIS)}, got {api!r}")
+    api, timeout, memory_mb, jobs, sandbox, stateless = s.api, s.timeout, s.memory_mb, s.jobs, s.sandbox, s.stateless
     if not path.is_file(): raise FileNotFoundError(f"controller file {path} does not exist")
     seeds = [int(s) for s in seeds]
     if not seeds: raise ValueError("seeds must not be empty")
@@ -384,22 +393,20 @@ def _evaluate_configs(path, class_name, configs, store, seeds, api, timeout, mem
                         per_question_acc=(100 * pq).tolist(), per_question_tokens=cost[k].mean(axis=0).tolist()))
     return out
 
-def evaluate_file(path, class_name: str, config: dict | None, store: ReplayStore, seeds=range(100), api: str = 'auto',
-                  timeout: float = 60.0, memory_mb: int = 2048, jobs: int = 1, sandbox: bool = True,
-                  stateless: bool = False) -> dict:
-    "Evaluate class `class_name` of controller file `path` with `config` on `store`, sandboxed; errors are in `error`."
-    return _evaluate_configs(path, class_name, [config], store, seeds, api, timeout, memory_mb, jobs, sandbox, stateless)[0]
+def evaluate_file(path, class_name: str, config: dict | None, store: ReplayStore, seeds=range(100),
+                  settings: SandboxSettings | None = None, **sandbox) -> dict:
+    "Evaluate class `class_name` of file `path` with `config` on `store`, sandboxed by `settings` (or its fields as keywords: api, timeout, memory_mb, jobs, sandbox, stateless); errors are in `error`."
+    return _evaluate_configs(path, class_name, [config], store, seeds, _sandbox_settings(settings, sandbox))[0]
 
-def evaluate_file_grid(path, class_name: str, configs: list, stores: list, seeds=range(100), api: str = 'auto',
-                       timeout: float = 60.0, memory_mb: int = 2048, jobs: int = 1, sandbox: bool = True,
-                       stateless: bool = False, progress: bool = False):
+def evaluate_file_grid(path, class_name: str, configs: list, stores: list, seeds=range(100),
+                       settings: SandboxSettings | None = None, progress: bool = False, **sandbox):
     "One row per (store, config) with an `error` column; one child per store and job serves all configs."
     import pandas as pd
     from tqdm.auto import tqdm
     if not configs: raise ValueError("configs must not be empty")
-    rows = []
+    s, rows = _sandbox_settings(settings, sandbox), []
     for st in tqdm(list(stores), desc=f"{Path(path).name} grid", disable=not progress):
-        for c, r in zip(configs, _evaluate_configs(path, class_name, configs, st, seeds, api, timeout, memory_mb, jobs, sandbox, stateless)):
+        for c, r in zip(configs, _evaluate_configs(path, class_name, configs, st, seeds, s)):
             r = {k: v for k, v in r.items() if not k.startswith('per_question')}
             r['config'] = json.dumps(c, sort_keys=True); rows.append(r)
     cols = ['store', 'controller', 'config', 'acc', 'avg_tokens', 'ci_low', 'ci_high', 'seeds', 'error', 'api', 'sandbox', 'limits', 'unrevealed', 'seconds']
