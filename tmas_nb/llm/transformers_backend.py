@@ -441,14 +441,19 @@ def _worker(self:TransformersBackend):
     while True:
         first = self._queue.get()
         if first is None: return
-        jobs = self._collect(first)
+        jobs = [j for j in self._collect(first) if j.future.set_running_or_notify_cancel()]   # a cancelled job is skipped
         ready = []
         for j in jobs:
             try: j.prompt = request_prompt_ids(self.tokenizer, j.request); ready.append(j)
             except Exception as e: j.future.set_exception(e)
-        for batch in self.plan_batches(ready):
+        try: batches = self.plan_batches(ready)
+        except Exception as e:                       # nothing a request holds may end the worker
+            for j in ready: j.future.set_exception(e)
+            continue
+        for batch in batches:
             try:
-                for j, cs in zip(batch, self._run_batch(batch)): j.future.set_result(cs)
+                for j, cs in zip(batch, self._run_batch(batch)):
+                    if not j.future.done(): j.future.set_result(cs)
             except Exception as e:
                 for j in batch:
                     if not j.future.done(): j.future.set_exception(e)
