@@ -4,7 +4,7 @@
 
 # %% ../nbs/18_data_fetch.ipynb #0f172e0d
 from __future__ import annotations
-import argparse, hashlib, json, os, random, shutil, sys, time
+import hashlib, json, os, random, shutil, sys, time
 from dataclasses import dataclass
 from pathlib import Path
 

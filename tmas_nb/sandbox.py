@@ -4,7 +4,7 @@
 
 # %% ../nbs/00a_sandbox.ipynb #901b494c
 from __future__ import annotations
-import os, re, resource, shutil, signal, subprocess, sys, uuid, warnings
+import os, re, shutil, signal, subprocess, sys, time, uuid, warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -12,7 +12,7 @@ from pathlib import Path
 # %% auto #0
 __all__ = ['SANDBOX_UID', 'SYSTEM_PATHS', 'NETWORK_FILES', 'SandboxLimits', 'bwrap_binary', 'Cgroup', 'make_cgroup',
            'python_paths', 'fork_filter', 'trampoline', 'sandbox_argv', 'sandbox_mode', 'limits_enforcement', 'redact',
-           'Sandbox', 'agent_sandbox']
+           'launch_command', 'Sandbox', 'agent_sandbox']
 
 # %% ../nbs/00a_sandbox.ipynb #45618166
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ class Cgroup:
             for p in left:
                 try: os.kill(p, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError): pass
-            import time; time.sleep(0.02)
+            time.sleep(0.02)
         for d in self.dirs:
             try: d.rmdir()
             except OSError: pass
@@ -220,8 +220,9 @@ def trampoline(argv: list[str], limits: SandboxLimits, enforcement: str, nproc: 
     if not argv or not os.path.isabs(argv[0]): raise ValueError(f"the sandboxed command needs an absolute path, got {argv[:1]}")
     cg = enforcement == 'cgroup'
     filt = '' if cg or processes else fork_filter().hex()
-    if processes: n = nproc if nproc is not None else limits.max_procs
-    else: n = nproc if nproc is not None else limits.max_procs if cg else -1 if filt else 2   # 2: bubblewrap's init and the command
+    if nproc is not None: n = nproc
+    elif cg or processes: n = limits.max_procs
+    else: n = -1 if filt else 2                     # no filter (unknown architecture): bubblewrap's init and the command
     return [sys.executable, '-I', '-S', '-c', _TRAMPOLINE, str(limits.process_mb(enforcement) << 20),
             str(limits.cpu_s if limits.cpu_s else -1), str(limits.file_mb << 20), str(limits.open_files), str(n), filt, *argv]
 
@@ -290,6 +291,22 @@ def redact(text: str) -> str:
     return text
 
 # %% ../nbs/00a_sandbox.ipynb #66e0e01f
+def launch_command(argv: list[str], limits: SandboxLimits, mode: str, enforcement: str, *, ro: list = (), rw: list = (),
+                   env: dict | None = None, network: bool = False, cwd: str | None = None, nproc: int | None = None,
+                   processes: bool = False) -> tuple[list[str], dict, str | None]:
+    "(command, environment, working folder) that start `argv` under `mode`; bubblewrap itself gets only `PATH` and `LANG`."
+    env = dict(env or {})
+    if mode == 'bwrap':
+        cmd = sandbox_argv(argv, limits, enforcement, ro=[*python_paths(), *ro], rw=rw, env=env, network=network,
+                           cwd=cwd or '/tmp', nproc=nproc, processes=processes)
+        return cmd, dict(_BASE_ENV), None
+    if mode == 'unshare':
+        net = [] if network else ['--net']
+        return ['unshare', '--user', '--map-root-user', *net, '--'] + trampoline(argv, limits, enforcement, nproc, processes), env, cwd
+    if mode == 'rlimits':   # no namespace: the process count would count all of this user's processes
+        return trampoline(argv, limits, enforcement, -1, processes), env, cwd
+    return list(argv), env, cwd
+
 class Sandbox:
     "A command running under `mode` with `limits`; `.proc` is its Popen, `.enforcement` 'cgroup' or 'rlimit'."
     # processes=True lets the command start processes even without a cgroup (a coding agent); a controller may not
@@ -299,16 +316,8 @@ class Sandbox:
         self.mode = mode or sandbox_mode()
         self.limits, self.cgroup = limits, (make_cgroup(limits) if self.mode != 'none' else None)
         self.enforcement = 'cgroup' if self.cgroup else 'rlimit'
-        env = dict(env or {})
-        if self.mode == 'bwrap':
-            cmd = sandbox_argv(argv, limits, self.enforcement, ro=[*python_paths(), *ro], rw=rw, env=env, network=network,
-                               cwd=cwd or '/tmp', nproc=nproc, processes=processes)
-            env, cwd = dict(_BASE_ENV), None
-        elif self.mode == 'unshare':
-            cmd = ['unshare', '--user', '--map-root-user', *([] if network else ['--net']), '--'] + trampoline(argv, limits, self.enforcement, nproc, processes)
-        elif self.mode == 'rlimits':   # no namespace: the process count would count all of this user's processes
-            cmd = trampoline(argv, limits, self.enforcement, -1, processes)
-        else: cmd = list(argv)
+        cmd, env, cwd = launch_command(argv, limits, self.mode, self.enforcement, ro=ro, rw=rw, env=env, network=network,
+                                       cwd=cwd, nproc=nproc, processes=processes)
         cg = self.cgroup
         def pre():
             os.setsid()
@@ -348,4 +357,4 @@ def agent_sandbox(argv: list[str], workspace, limits: SandboxLimits | None = Non
     base = {'PATH': '/usr/local/bin:/usr/bin:/bin', 'HOME': str(ws), 'TMPDIR': '/tmp', 'LANG': 'C.UTF-8', 'TERM': 'dumb'}
     ro = [p for p in NETWORK_FILES if os.path.exists(p)] + [str(Path(m).resolve()) for m in mounts]
     return Sandbox(list(argv), limits, ro=ro, rw=[str(ws)], env={**base, **(env or {})}, network=True, cwd=str(ws),
-                   nproc=limits.max_procs, processes=True, **popen_kw)
+                   processes=True, **popen_kw)

@@ -4,7 +4,7 @@
 
 # %% ../nbs/00b_settings.ipynb #c0461f4f
 from __future__ import annotations
-import argparse, dataclasses, json, os, sys, typing
+import argparse, dataclasses, json, sys
 from dataclasses import dataclass, field, fields, MISSING
 from pathlib import Path
 

@@ -4,8 +4,7 @@
 
 # %% ../../nbs/07_replay_files.ipynb #99d27a54
 from __future__ import annotations
-import ast, json, math, os, queue, resource, shutil, signal, subprocess, sys, threading, time, traceback, warnings
-from functools import lru_cache
+import ast, json, math, os, queue, shutil, signal, subprocess, sys, threading, time, traceback, warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -148,12 +147,8 @@ def _child_env(home: str = '/tmp') -> dict:
 
 def sandbox_command(mode: str, memory_mb: int = 2048) -> list[str]:
     "The argv that starts a controller child under `mode` ('bwrap', 'unshare', 'rlimits' or 'none'), for inspection."
-    from tmas_nb.sandbox import sandbox_argv, python_paths, trampoline, limits_enforcement
-    lim = SandboxLimits(memory_mb=memory_mb); enf = limits_enforcement()
-    if mode == 'bwrap': return sandbox_argv(_child_argv(), lim, enf, ro=python_paths(), env=_child_env())
-    if mode == 'unshare': return ['unshare', '--user', '--map-root-user', '--net', '--'] + trampoline(_child_argv(), lim, enf)
-    if mode == 'rlimits': return trampoline(_child_argv(), lim, enf, -1)
-    return _child_argv()
+    from tmas_nb.sandbox import launch_command, limits_enforcement
+    return launch_command(_child_argv(), SandboxLimits(memory_mb=memory_mb), mode, limits_enforcement(), env=_child_env())[0]
 
 # %% ../../nbs/07_replay_files.ipynb #0311c245
 def _kill(sb):
@@ -283,7 +278,6 @@ def _replay_authors(record: dict, order: list, log: list, answer):
     return cost, isinstance(answer, str) and answer in seen
 
 # %% ../../nbs/07_replay_files.ipynb #7b3c6e50
-_APIS = ('auto', 'ours', 'authors')
 _RECORDS: dict = {}
 
 def _records_of(store):
