@@ -4,14 +4,14 @@
 
 # %% ../nbs/00_core.ipynb #ea9c8d9b
 from __future__ import annotations
-import fcntl, hashlib, math, os, json, stat, tempfile, time
+import fcntl, hashlib, importlib, math, os, json, stat, sys, tempfile, time, types
 from contextlib import contextmanager
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['DATA_HINT', 'LOCK_FILE', 'repo_root', 'user_data_dir', 'check_data_folder', 'find_data_dir', 'data_dir', 'fetch_hint',
-           'file_mode', 'atomic_write_bytes', 'atomic_write_text', 'atomic_write_json', 'sha256_file', 'json_ready',
-           'FolderInUse', 'in_use_message', 'lock_holder', 'folder_lock']
+__all__ = ['DATA_HINT', 'LOCK_FILE', 'HEAVY_MODULES', 'repo_root', 'user_data_dir', 'check_data_folder', 'find_data_dir',
+           'data_dir', 'fetch_hint', 'file_mode', 'atomic_write_bytes', 'atomic_write_text', 'atomic_write_json',
+           'sha256_file', 'json_ready', 'FolderInUse', 'in_use_message', 'lock_holder', 'folder_lock', 'lazy_import']
 
 # %% ../nbs/00_core.ipynb #e9ebc090
 DATA_HINT = ("Get the AutoTTS replay stores with `tmas data fetch autotts` (or everything public with "
@@ -198,3 +198,35 @@ def folder_lock(folder, what: str = 'run folder'):
     try: yield folder
     finally:
         _HELD.pop(key, None); os.close(fd)
+
+# %% ../nbs/00_core.ipynb #781aed45
+HEAVY_MODULES = ('torch', 'transformers', 'trl', 'sentence_transformers', 'accelerate', 'peft', 'datasets')
+"The optional dependencies that are imported only on first use (through `lazy_import`)."
+
+
+# %% ../nbs/00_core.ipynb #fc817b98
+class _LazyModule(types.ModuleType):
+    "A stand-in for a module that imports it on first attribute access."
+    def __init__(self, name: str):
+        super().__init__(name); self.__dict__['_lazy_target'] = None
+    def _load(self):
+        mod = self.__dict__['_lazy_target']
+        if mod is None:
+            try: mod = importlib.import_module(self.__name__)
+            except ImportError as e:
+                raise ImportError(f"{self.__name__} is needed here but cannot be imported ({e}); install the project's "
+                                  f"dependencies (`pip install -e .`)") from e
+            self.__dict__['_lazy_target'] = mod
+        return mod
+    def __getattr__(self, attr): return getattr(self._load(), attr)
+    def __dir__(self): return dir(self._load())
+
+
+# %% ../nbs/00_core.ipynb #6cafc3a4
+def lazy_import(name: str) -> types.ModuleType:
+    "Module `name` (one of `HEAVY_MODULES`, or a submodule of one), imported when an attribute is first read."
+    if name.split('.')[0] not in HEAVY_MODULES:
+        raise ValueError(f"lazy_import is for the heavy optional modules {HEAVY_MODULES}; import {name!r} at the top of the module")
+    if name in sys.modules: return sys.modules[name]
+    return _LazyModule(name)
+
