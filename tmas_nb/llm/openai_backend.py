@@ -14,9 +14,9 @@ from .core import LLM, Completion, Request, run_sync, split_thinking, THINK_OPEN
 from .models import resolve_model as local_model_path
 
 # %% auto #0
-__all__ = ['TOKEN_COUNT_SOURCES', 'EXACT_SOURCES', 'DEFAULT_BASE_URL', 'request_body', 'parse_choices', 'LLMRequestError',
-           'backoff_delay', 'parse_retry_after', 'n_limit_from_refusal', 'updated_settings', 'OpenAIClientSettings',
-           'OpenAIBackend']
+__all__ = ['TOKEN_COUNT_SOURCES', 'EXACT_SOURCES', 'DEFAULT_BASE_URL', 'SHARD_CONNECTIONS', 'request_body', 'parse_choices',
+           'LLMRequestError', 'backoff_delay', 'parse_retry_after', 'n_limit_from_refusal', 'updated_settings',
+           'OpenAIClientSettings', 'OpenAIBackend', 'ClientShards']
 
 # %% ../../nbs/13_llm_openai.ipynb #1e0bef65
 def request_body(model: str, request: Request, n: int | None = None, seed: int | None = None,
@@ -282,19 +282,50 @@ def record(self:OpenAIBackend) -> dict:
 @patch
 def __repr__(self:OpenAIBackend): return f"OpenAIBackend({self.model_id!r}, base_url={self.base_url!r})"
 
+# %% ../../nbs/13_llm_openai.ipynb #a4365b63
+SHARD_CONNECTIONS = 64
+
+class ClientShards:
+    "httpx clients of at most `SHARD_CONNECTIONS` connections each, for `connections` calls in flight at once."
+    def __init__(self, connections: int, **client_kw):
+        k = max(1, -(-int(connections) // SHARD_CONNECTIONS))
+        per = -(-int(connections) // k)
+        limits = httpx.Limits(max_connections=per, max_keepalive_connections=per)
+        self.clients = [httpx.AsyncClient(limits=limits, **client_kw) for _ in range(k)]
+        self.in_flight = [0] * k
+
+    async def request(self, method: str, url: str, **kw) -> httpx.Response:
+        "One request through the least busy client."
+        i = min(range(len(self.clients)), key=self.in_flight.__getitem__)
+        self.in_flight[i] += 1
+        try: return await self.clients[i].request(method, url, **kw)
+        finally: self.in_flight[i] -= 1
+
+    async def post(self, url: str, **kw) -> httpx.Response: return await self.request('POST', url, **kw)
+    async def get(self, url: str, **kw) -> httpx.Response: return await self.request('GET', url, **kw)
+
+    @property
+    def is_closed(self) -> bool: return any(c.is_closed for c in self.clients)
+    @property
+    def headers(self): return self.clients[0].headers
+    @property
+    def timeout(self): return self.clients[0].timeout
+
+    async def aclose(self):
+        for c in self.clients: await c.aclose()
+
 # %% ../../nbs/13_llm_openai.ipynb #1e328b56
 @patch
 def _loop_state(self:OpenAIBackend):
-    "The HTTP client, the concurrency semaphore and the model-name lock of the running event loop (made on first use)."
+    "The HTTP clients, the concurrency semaphore and the model-name lock of the running event loop (made on first use)."
     loop = asyncio.get_running_loop()
     st = self._per_loop.get(loop)
     if st is None or st[0].is_closed:
         headers = {'Content-Type': 'application/json', **self.headers}
         if self.api_key: headers['Authorization'] = f'Bearer {self.api_key}'
-        limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
-        client = httpx.AsyncClient(base_url=self.base_url, headers=headers, limits=limits,
-                                   timeout=httpx.Timeout(self.timeout, connect=self.connect_timeout))
-        st = (client, asyncio.Semaphore(self.max_concurrency), asyncio.Lock())
+        clients = ClientShards(self.max_concurrency, base_url=self.base_url, headers=headers,
+                               timeout=httpx.Timeout(self.timeout, connect=self.connect_timeout))
+        st = (clients, asyncio.Semaphore(self.max_concurrency), asyncio.Lock())
         self._per_loop[loop] = st
     return st
 
