@@ -215,8 +215,8 @@ class Fixture:
     def __exit__(self, *exc): self.close()
 
 
-def measured(cmd: list[str], env: dict | None = None, kill_after: float | None = None) -> dict:
-    "Run `cmd` and return its wall time, CPU time (user + system) and peak RSS; `kill_after` seconds: SIGKILL it then."
+def measured(cmd: list[str], env: dict | None = None, kill_after: float | None = None, kill_when=None) -> dict:
+    "Run `cmd` and return its wall time, CPU time and peak RSS; SIGKILL it after `kill_after` s or once `kill_when()` is true."
     import subprocess, signal, tempfile
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         t0 = time.perf_counter()
@@ -225,9 +225,9 @@ def measured(cmd: list[str], env: dict | None = None, kill_after: float | None =
         while True:
             pid, status, ru = os.wait4(proc.pid, os.WNOHANG)
             if pid: break
-            if kill_after is not None and not killed and time.perf_counter() - t0 > kill_after:
+            if not killed and ((kill_after is not None and time.perf_counter() - t0 > kill_after) or (kill_when and kill_when())):
                 os.kill(proc.pid, signal.SIGKILL); killed = True
-            time.sleep(0.02)
+            time.sleep(0.2 if kill_when else 0.02)
         proc.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0); err.seek(0)
         return {'rc': proc.returncode, 'killed': killed, 'wall_s': time.perf_counter() - t0,
@@ -253,7 +253,7 @@ def run_disk(run_dir) -> dict:
 
 
 def tmas_run(url: str, method: str, problems: int, iterations: int, out, concurrency: int, in_flight: int | None = None,
-             width: tuple[int, int] = (8, 8), kill_after: float | None = None, extra: tuple = ()) -> dict:
+             width: tuple[int, int] = (8, 8), kill_when=None, extra: tuple = ()) -> dict:
     "`tmas run --backend openai` against `url`, measured (see `measured`); `width` is (N, M) for tmas, (K, -) for rse."
     import pathlib
     cfg = pathlib.Path(out).parent / 'hashing.json'
@@ -264,7 +264,7 @@ def tmas_run(url: str, method: str, problems: int, iterations: int, out, concurr
            '--config', str(cfg), '--quiet', '--out', str(out), *extra]
     if method == 'tmas': cmd += ['--n-verifications', str(width[1])]
     if in_flight is not None: cmd += ['--requests-in-flight', str(in_flight)]
-    return measured(cmd, env={'OMP_NUM_THREADS': '1'}, kill_after=kill_after)
+    return measured(cmd, env={'OMP_NUM_THREADS': '1'}, kill_when=kill_when)
 
 
 async def backend_client(url: str, calls: int, in_flight: int, n: int = 1, prompt_chars: int = 2000) -> dict:
