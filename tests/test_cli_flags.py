@@ -28,7 +28,7 @@ FLAGS = {
     '--quantize': ('int8 linear layers on a CPU', {'run', 'serve'}),
     '--llama-slots': ('llama.cpp slots', {'run'}),
     '--max-n-per-call': ('most samples asked of a server in one call', {'run'}),
-    '--requests-in-flight': ('most HTTP requests in flight to --base-url', {'replay build'}),
+    '--requests-in-flight': ('most HTTP requests in flight to --base-url', {'replay build', 'run'}),
     '--decode': ('the in-process decode loop', {'doctor'}),
     '--engines': ('a subset of the CPU engines', {'engines calibrate'}),
     '--tokenizer': ("the served model's tokenizer", {'replay build'}),

@@ -70,7 +70,8 @@ def test_token_counts_per_choice(llama):
     [cs] = llm.generate_sync([ask('Tell me about prime numbers.', n=4, max_new_tokens=24, temperature=1.0, seed=3)])
     counts = [c.completion_tokens for c in cs]
     print('server total:', reported, '| per choice:', counts, '| source:', llm.token_count_source)
-    assert llm.token_count_source == 'tokenize' and llm.stats['estimated_samples'] == 0
+    assert llm.token_count_source in ('tokenize', 'length') and llm.stats['estimated_samples'] == 0
+    assert all(c.completion_tokens == 24 for c in cs if c.finish_reason == 'length')   # the limit, not re-tokenised
     assert all(1 <= k <= 24 for k in counts) and sum(counts) > reported        # the server's total is one choice's
     assert reported in [k for k in counts] or abs(reported - counts[0]) <= 1
     # the same counts by the other two ways: per-choice logprobs, and the model's tokenizer in this process
@@ -85,6 +86,26 @@ def test_token_counts_per_choice(llama):
         if x.raw == z.raw: assert abs(x.completion_tokens - z.completion_tokens) <= 1
     # a sample that hit the limit holds exactly max_tokens tokens by the server's own count
     assert all(c.completion_tokens == 24 for c in lp if c.finish_reason == 'length')
+
+
+def test_samples_cut_by_the_limit_count_exactly_the_limit(llama, tmp_path, data_root):
+    """4 samples all cut at 32 tokens are 128 generated tokens, whatever re-tokenising their texts would give."""
+    llm = OpenAIBackend(base_url=llama.base_url)
+    [cs] = llm.generate_sync([ask('Write a very long essay about the history of the number zero.', n=4,
+                                  max_new_tokens=32, temperature=1.0, seed=4)])
+    cut = [c for c in cs if c.finish_reason == 'length']
+    assert len(cut) >= 3 and all(c.completion_tokens == 32 for c in cut) and llm.token_sources['length'] == len(cut)
+    out = tmp_path / 'run'
+    cmd = [sys.executable, '-m', 'tmas_nb.cli', 'run', '--method', 'mv', '--benchmark', 'demo', '--limit', '1',
+           '--n-candidates', '4', '--max-new-tokens', '32', '--backend', 'openai', '--base-url', llama.base_url,
+           '--quiet', '--out', str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, 'TMAS_DATA_DIR': str(data_root)})
+    assert p.returncode == 0, p.stderr[-3000:]
+    cfg = json.loads((out / 'config.json').read_text())
+    sources = cfg['server']['token_sources']
+    assert sources.get('estimated', 0) == 0 and sum(sources.values()) == 4
+    usage = json.loads((out / 'usage.json').read_text())['total']
+    if sources.get('length') == 4: assert usage['completion_tokens'] == 128     # all four cut: exactly 4 x 32
 
 
 def test_n_above_the_slots_is_split(llama):
@@ -137,7 +158,7 @@ def test_tmas_run_against_llama_server(llama, tmp_path, data_root):
     assert p.returncode == 0, p.stderr[-3000:]
     cfg = json.loads((out / 'config.json').read_text())
     assert cfg['model_id'] == NAME and cfg['server']['served_model'] == NAME
-    assert cfg['server']['token_count_source'] in ('tokenize', 'usage')
+    assert cfg['server']['token_count_source'] in ('tokenize', 'usage', 'length')
     status = json.loads((out / 'status.json').read_text())
     assert status['complete'] is True
     usage = json.loads((out / 'usage.json').read_text())

@@ -86,7 +86,8 @@ def test_n_samples_usage_and_length(server):
     for c in out[1]:
         assert 1 <= c.completion_tokens <= 5 and c.finish_reason in ('stop', 'length')
     # exact per-sample counts (the server reports them); every sample carries its prompt's token count
-    assert llm.stats['estimated_samples'] == 0
+    assert llm.stats['estimated_samples'] == 0 and llm.token_count_source == 'per_choice'
+    assert llm.record()['token_sources'] == {'per_choice': 5}
     p = out[0][0].prompt_tokens
     assert p > 5 and [c.prompt_tokens for c in out[0]] == [p] * 3
     u = llm.usage.by_role

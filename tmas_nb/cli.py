@@ -10,8 +10,8 @@ from pathlib import Path
 from .settings import CommandHelp
 
 # %% auto #0
-__all__ = ['GROUPS', 'COMMANDS', 'EXPECTED', 'build_parser', 'UserError', 'error_message', 'error_dir', 'save_traceback',
-           'run_command', 'main']
+__all__ = ['GROUPS', 'COMMANDS', 'EXPECTED', 'build_parser', 'command_named', 'UserError', 'error_message', 'error_dir',
+           'save_traceback', 'run_command', 'main']
 
 # %% ../nbs/99_cli.ipynb #b1ee5884
 GROUPS = {
@@ -90,8 +90,8 @@ def _flags_of(target: str):
     mod, fn = target.split(':')
     return getattr(importlib.import_module(mod), fn)
 
-def build_parser() -> argparse.ArgumentParser:
-    "The full `tmas` argument parser, from `GROUPS` and `COMMANDS`."
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    "The `tmas` argument parser, from `GROUPS` and `COMMANDS`; with `only`, just that command gets its flags (and imports its module)."
     p = argparse.ArgumentParser(prog='tmas', description='Test-time scaling research: TMAS, RSE and the AutoTTS replay environment.')
     top = p.add_subparsers(dest='command', metavar='COMMAND'); top.required = True
     groups = {}
@@ -104,8 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
         target, help_, desc = COMMANDS[name]
         kw = dict(help=help_, description=desc, formatter_class=CommandHelp)
         sub = groups[head].add_parser(leaf, **kw) if leaf else top.add_parser(name, **kw)
-        _flags_of(target)(sub)
+        if only is None or only == name: _flags_of(target)(sub)
     return p
+
+def command_named(argv: list[str]) -> str | None:
+    "The command `argv` runs ('run', 'runs summary', ...), or None when it names none (then every command is built)."
+    words = [a for a in argv[:2] if not a.startswith('-')]
+    for k in (2, 1):
+        if len(words) >= k and ' '.join(words[:k]) in COMMANDS: return ' '.join(words[:k])
+    return None
 
 
 # %% ../nbs/99_cli.ipynb #fa5184f8
@@ -189,7 +196,8 @@ def run_command(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     "Run the `tmas` command line; returns the exit status."
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(command_named(argv)).parse_args(argv)   # one command's module, not all of them: start-up in ~1 s
     return run_command(args)
 
 # %% ../nbs/99_cli.ipynb #a84035fd

@@ -506,6 +506,12 @@ def read_problem_checkpoints(run_dir, problem_id: str) -> list[dict]:
                              f"this run folder holds another benchmark's checkpoints")
     return items
 
+# %% ../nbs/23_methods.ipynb #e1942074
+def _write_iteration(run_dir, banks: dict, bank_files: dict, checkpoint: Path, payload: dict):
+    "Save an iteration's banks, then its checkpoint (each written and synced whole), off the event loop."
+    for name, bank in banks.items(): bank.save(Path(run_dir) / bank_files[name])
+    atomic_write_json(checkpoint, payload)
+
 # %% ../nbs/23_methods.ipynb #2042d6eb
 async def run_problem(method: Method, problem: Problem, llm: LLM, run_dir, bar=None) -> list[dict]:
     "Run (or resume) one problem to its last iteration, checkpointing each iteration; returns its records."
@@ -531,12 +537,9 @@ async def run_problem(method: Method, problem: Problem, llm: LLM, run_dir, bar=N
                  'category': problem_category(problem), 'wall_s': wall}
                 for k, (c, g) in enumerate(zip(res.candidates, graded))]
         recs = [{col: r[col] for col in RECORD_COLUMNS} for r in recs]
-        bank_files = {}
-        for name, bank in banks.items():
-            p = bank_path(run_dir, problem.id, name, it); bank.save(p)
-            bank_files[name] = str(p.relative_to(run_dir))
+        bank_files = {name: str(bank_path(run_dir, problem.id, name, it).relative_to(run_dir)) for name in banks}
         state, done = res.state, res.done
-        atomic_write_json(checkpoint_path(run_dir, problem.id, it), {
+        await asyncio.to_thread(_write_iteration, run_dir, banks, bank_files, checkpoint_path(run_dir, problem.id, it), {
             'version': 1, 'method': method.name, 'problem_id': problem.id, 'iteration': it, 'done': bool(done),
             'wall_s': wall, 'records': recs, 'state': state, 'bank_files': bank_files,
             'banks': {n: bank_items(n, b) for n, b in banks.items()},

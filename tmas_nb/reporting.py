@@ -54,6 +54,7 @@ REPORT_INPUTS = {  # report: (input, run methods it needs / the path parameter i
                                  '--max-new-tokens 512 --seed 0 --out runs/replay_build/default_demo.json')),
     'llm_throughput': ('model', None, 'tmas report llm_throughput'),
     'cpu_engines': ('model', None, 'tmas report cpu_engines'),
+    'scale_benchmark': ('long', None, 'tmas report scale_benchmark'),   # minutes of load on this machine: by name only
     'rl_training': ('path', 'demo_dir', ('tmas rl train --model smollm2 --task toy --reward standard --max-steps 30 --num-generations 8 '
                                  '--max-completion-length 8 --seed 0 --out /tmp/tmas_rl_demo/standard, then the same with '
                                  '--reward hybrid --out /tmp/tmas_rl_demo/hybrid')),
@@ -145,8 +146,9 @@ def _cmd_report(args) -> int:
         return 0
     done, skipped, failed = [], [], []
     for n in list_reports():
-        if REPORT_INPUTS.get(n, ('',))[0] == 'model':
-            print(f"{n}: skipped — it calls a model; run it by name: tmas report {n}"); skipped.append(n); continue
+        if (kind := REPORT_INPUTS.get(n, ('',))[0]) in ('model', 'long'):
+            why = 'it calls a model' if kind == 'model' else 'it loads this machine for many minutes'
+            print(f"{n}: skipped — {why}; run it by name: tmas report {n}"); skipped.append(n); continue
         if lack := missing_input(n, params):
             print(f"{n}: skipped — {lack}"); skipped.append(n); continue
         t = time.perf_counter()

@@ -552,6 +552,9 @@ def _cmd_run(args) -> int:
         if args.backend != 'openai': raise ValueError("--max-n-per-call applies to --backend openai only")
         if args.max_n_per_call < 1: raise ValueError(f"--max-n-per-call must be >= 1, got {args.max_n_per_call}")
         kw['max_n_per_call'] = args.max_n_per_call
+    if args.backend == 'openai':   # every candidate chain of every problem in flight, unless told
+        kw['max_concurrency'] = args.requests_in_flight or max(16, args.concurrency * int(getattr(config, 'n_candidates', 1) or 1))
+    elif args.requests_in_flight is not None: raise ValueError("--requests-in-flight applies to --backend openai only")
     run = run_sync(start_run(args.method, problems, config, args.out, model=args.model, backend=args.backend,
                              benchmark=bench, base_url=args.base_url, limit=args.limit,
                              concurrency=args.concurrency, progress=not args.quiet, preset=args.preset, **kw))
@@ -591,6 +594,8 @@ def run_cli(p) -> None:
     p.add_argument('--base-url', default=None, help='URL of an OpenAI-compatible server (with --backend openai)')
     p.add_argument('--max-n-per-call', dest='max_n_per_call', type=int, default=None,
                    help='most samples asked of the server in one call (with --backend openai; learnt from refusals otherwise)')
+    p.add_argument('--requests-in-flight', dest='requests_in_flight', type=int, default=None,
+                   help='most HTTP requests in flight to --base-url (default: --concurrency x candidates, at least 16)')
     p.add_argument('--preset', default=None, choices=list(PRESETS), help=PRESET_HELP)
     p.add_argument('--problem-ids', dest='problem_ids', default=None,
                    help='a file of problem ids, one per line (e.g. written by `tmas data hard-subset`); only those problems')

@@ -9,6 +9,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, asdict, fields
 from typing import NamedTuple
 
+from fastcore.basics import patch
+
 # %% auto #0
 __all__ = ['THINK_OPEN', 'THINK_CLOSE', 'TRUNCATED_NOTE', 'BACKENDS', 'Request', 'ThinkingSplit', 'split_thinking',
            'split_reasoning', 'Completion', 'TokenUsage', 'run_sync', 'LLM', 'LazyLLM', 'load_llm', 'engine_stats']
@@ -44,54 +46,59 @@ class Request:
         "A request whose `prompt` (text or token ids) the model continues as it is, with no chat template."
         return cls(messages=[], prompt=prompt, **kw)
 
-    def validate(self) -> Request:
-        "Raise `ValueError` naming the field and the fix when a setting is out of range."
-        def bad(fld, why): raise ValueError(f"Request.{fld}: {why}")
-        if self.prompt is not None:
-            text = isinstance(self.prompt, str) and self.prompt
-            ids = isinstance(self.prompt, list) and self.prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.prompt)
-            if not (text or ids): bad('prompt', f"must be None, a non-empty string or a non-empty list of token ids (ints >= 0), got {self.prompt!r:.80}")
-            if self.messages: bad('messages', "must be empty when `prompt` is given (a raw prompt takes no chat messages)")
-        elif not isinstance(self.messages, (list, tuple)) or not self.messages:
-            bad('messages', f"must be a non-empty list of {{'role': ..., 'content': ...}} dicts, got {self.messages!r:.80}")
-        for i, m in enumerate(self.messages):
-            if not isinstance(m, dict) or 'role' not in m or 'content' not in m:
-                bad(f'messages[{i}]', f"must be a dict with 'role' and 'content' keys, got {m!r:.80}")
-            if m['role'] not in _CHAT_ROLES:
-                bad(f'messages[{i}].role', f"is {m['role']!r}; use one of {_CHAT_ROLES}")
-            if not isinstance(m['content'], str):
-                bad(f'messages[{i}].content', f"must be a string, got {type(m['content']).__name__}")
-        if not isinstance(self.role, str) or not self.role: bad('role', "must be a non-empty string such as 'solution'")
-        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1: bad('n', f"must be an integer >= 1, got {self.n!r}")
-        num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-        if not num(self.temperature) or self.temperature < 0:
-            bad('temperature', f"must be a number >= 0 (0 means greedy), got {self.temperature!r}")
-        if not num(self.top_p) or not 0 < self.top_p <= 1: bad('top_p', f"must be in (0, 1], got {self.top_p!r}")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 1):
-            bad('top_k', f"must be None or an integer >= 1, got {self.top_k!r}")
-        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
-            bad('max_new_tokens', f"must be an integer >= 1, got {self.max_new_tokens!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            bad('seed', f"must be None or an integer >= 0, got {self.seed!r}")
-        if self.stop is not None:
-            if isinstance(self.stop, str): bad('stop', f"must be a list of strings, not a string; write stop=[{self.stop!r}]")
-            if not all(isinstance(s, str) and s for s in self.stop): bad('stop', f"must be a list of non-empty strings, got {self.stop!r}")
-        if self.enable_thinking not in (None, True, False): bad('enable_thinking', f"must be None, True or False, got {self.enable_thinking!r}")
-        return self
-
-    @property
-    def greedy(self) -> bool: return self.temperature == 0
-
-    def sampling_key(self) -> dict:
-        "The sampling settings as a canonical dict (fixed types and order); `n` and `role` are not part of it."
-        return {'temperature': float(self.temperature), 'top_p': float(self.top_p),
-                'top_k': None if self.top_k is None else int(self.top_k),
-                'max_new_tokens': int(self.max_new_tokens), 'seed': self.seed,
-                'stop': None if not self.stop else list(self.stop), 'enable_thinking': self.enable_thinking}
-
     def to_dict(self) -> dict: return asdict(self)
     @classmethod
     def from_dict(cls, d: dict) -> Request: return cls(**d)
+
+# %% ../../nbs/10_llm_core.ipynb #c5a09079
+@patch
+def validate(self:Request) -> Request:
+    "Raise `ValueError` naming the field and the fix when a setting is out of range."
+    def bad(fld, why): raise ValueError(f"Request.{fld}: {why}")
+    if self.prompt is not None:
+        text = isinstance(self.prompt, str) and self.prompt
+        ids = isinstance(self.prompt, list) and self.prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.prompt)
+        if not (text or ids): bad('prompt', f"must be None, a non-empty string or a non-empty list of token ids (ints >= 0), got {self.prompt!r:.80}")
+        if self.messages: bad('messages', "must be empty when `prompt` is given (a raw prompt takes no chat messages)")
+    elif not isinstance(self.messages, (list, tuple)) or not self.messages:
+        bad('messages', f"must be a non-empty list of {{'role': ..., 'content': ...}} dicts, got {self.messages!r:.80}")
+    for i, m in enumerate(self.messages):
+        if not isinstance(m, dict) or 'role' not in m or 'content' not in m:
+            bad(f'messages[{i}]', f"must be a dict with 'role' and 'content' keys, got {m!r:.80}")
+        if m['role'] not in _CHAT_ROLES:
+            bad(f'messages[{i}].role', f"is {m['role']!r}; use one of {_CHAT_ROLES}")
+        if not isinstance(m['content'], str):
+            bad(f'messages[{i}].content', f"must be a string, got {type(m['content']).__name__}")
+    if not isinstance(self.role, str) or not self.role: bad('role', "must be a non-empty string such as 'solution'")
+    if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1: bad('n', f"must be an integer >= 1, got {self.n!r}")
+    num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if not num(self.temperature) or self.temperature < 0:
+        bad('temperature', f"must be a number >= 0 (0 means greedy), got {self.temperature!r}")
+    if not num(self.top_p) or not 0 < self.top_p <= 1: bad('top_p', f"must be in (0, 1], got {self.top_p!r}")
+    if self.top_k is not None and (not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 1):
+        bad('top_k', f"must be None or an integer >= 1, got {self.top_k!r}")
+    if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
+        bad('max_new_tokens', f"must be an integer >= 1, got {self.max_new_tokens!r}")
+    if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+        bad('seed', f"must be None or an integer >= 0, got {self.seed!r}")
+    if self.stop is not None:
+        if isinstance(self.stop, str): bad('stop', f"must be a list of strings, not a string; write stop=[{self.stop!r}]")
+        if not all(isinstance(s, str) and s for s in self.stop): bad('stop', f"must be a list of non-empty strings, got {self.stop!r}")
+    if self.enable_thinking not in (None, True, False): bad('enable_thinking', f"must be None, True or False, got {self.enable_thinking!r}")
+    return self
+
+# %% ../../nbs/10_llm_core.ipynb #327008b7
+@patch
+def sampling_key(self:Request) -> dict:
+    "The sampling settings as a canonical dict (fixed types and order); `n` and `role` are not part of it."
+    return {'temperature': float(self.temperature), 'top_p': float(self.top_p),
+            'top_k': None if self.top_k is None else int(self.top_k),
+            'max_new_tokens': int(self.max_new_tokens), 'seed': self.seed,
+            'stop': None if not self.stop else list(self.stop), 'enable_thinking': self.enable_thinking}
+
+# %% ../../nbs/10_llm_core.ipynb #8b069658
+@patch(as_prop=True)
+def greedy(self:Request) -> bool: return self.temperature == 0
 
 # %% ../../nbs/10_llm_core.ipynb #0bf7d804
 THINK_OPEN, THINK_CLOSE = '<think>', '</think>'
@@ -215,6 +222,7 @@ def run_sync(coro):
     if 'error' in box: raise box['error']
     return box['value']
 
+# %% ../../nbs/10_llm_core.ipynb #df8096eb
 class LLM(ABC):
     "Base class of every model backend: validation, usage accounting and the sync wrapper live here."
     model_id: str = 'unknown'
@@ -235,23 +243,6 @@ class LLM(ABC):
     async def _generate(self, requests: list[Request]) -> list[list[Completion]]:
         "Produce `requests[i].n` completions for every request, in order."
 
-    async def generate(self, requests: list[Request]) -> list[list[Completion]]:
-        "One list of `n` completions per request, in the order of `requests`."
-        if isinstance(requests, Request): raise TypeError("generate takes a list of Request; write generate([request])")
-        requests = list(requests)
-        for i, r in enumerate(requests):
-            if not isinstance(r, Request): raise TypeError(f"requests[{i}] is a {type(r).__name__}, not a Request")
-            r.validate()
-        if not requests: return []
-        out = await self._generate(requests)
-        if len(out) != len(requests):
-            raise RuntimeError(f"{type(self).__name__}._generate returned {len(out)} results for {len(requests)} requests")
-        for i, (r, cs) in enumerate(zip(requests, out)):
-            if len(cs) != r.n:
-                raise RuntimeError(f"{type(self).__name__}._generate returned {len(cs)} completions for requests[{i}] with n={r.n}")
-            self.record_usage(r, cs)
-        return out
-
     def record_usage(self, request: Request, completions: list[Completion]):
         "Count one answered request; a wrapper backend may override this to flag replayed samples."
         self.usage.add(request.role, completions)
@@ -268,6 +259,25 @@ class LLM(ABC):
     async def __aenter__(self): return self
     async def __aexit__(self, *exc): self.close()
     def __repr__(self): return f"{type(self).__name__}({self.model_id!r})"
+
+# %% ../../nbs/10_llm_core.ipynb #bbda21e0
+@patch
+async def generate(self:LLM, requests: list[Request]) -> list[list[Completion]]:
+    "One list of `n` completions per request, in the order of `requests`."
+    if isinstance(requests, Request): raise TypeError("generate takes a list of Request; write generate([request])")
+    requests = list(requests)
+    for i, r in enumerate(requests):
+        if not isinstance(r, Request): raise TypeError(f"requests[{i}] is a {type(r).__name__}, not a Request")
+        r.validate()
+    if not requests: return []
+    out = await self._generate(requests)
+    if len(out) != len(requests):
+        raise RuntimeError(f"{type(self).__name__}._generate returned {len(out)} results for {len(requests)} requests")
+    for i, (r, cs) in enumerate(zip(requests, out)):
+        if len(cs) != r.n:
+            raise RuntimeError(f"{type(self).__name__}._generate returned {len(cs)} completions for requests[{i}] with n={r.n}")
+        self.record_usage(r, cs)
+    return out
 
 # %% ../../nbs/10_llm_core.ipynb #35808ae9
 BACKENDS = ('transformers', 'openai', 'llama.cpp', 'auto')
@@ -293,6 +303,7 @@ class LazyLLM(LLM):
     def close(self):
         if self.backend is not None: self.backend.close()
 
+# %% ../../nbs/10_llm_core.ipynb #6bb4fe86
 def load_llm(model: str = 'default', backend: str = 'transformers', cache: str | None = None, lazy: bool = False,
              **kw) -> LLM:
     "Build an `LLM` for `model` on `backend`; keyword arguments go to the backend's constructor."

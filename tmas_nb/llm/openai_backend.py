@@ -14,8 +14,9 @@ from .core import LLM, Completion, Request, run_sync, split_thinking, THINK_OPEN
 from .models import resolve_model as local_model_path
 
 # %% auto #0
-__all__ = ['TOKEN_COUNT_SOURCES', 'DEFAULT_BASE_URL', 'request_body', 'parse_choices', 'LLMRequestError', 'backoff_delay',
-           'parse_retry_after', 'n_limit_from_refusal', 'updated_settings', 'OpenAIClientSettings', 'OpenAIBackend']
+__all__ = ['TOKEN_COUNT_SOURCES', 'EXACT_SOURCES', 'DEFAULT_BASE_URL', 'SHARD_CONNECTIONS', 'request_body', 'parse_choices',
+           'LLMRequestError', 'backoff_delay', 'parse_retry_after', 'n_limit_from_refusal', 'updated_settings',
+           'OpenAIClientSettings', 'OpenAIBackend', 'ClientShards']
 
 # %% ../../nbs/13_llm_openai.ipynb #1e0bef65
 def request_body(model: str, request: Request, n: int | None = None, seed: int | None = None,
@@ -41,7 +42,8 @@ def request_body(model: str, request: Request, n: int | None = None, seed: int |
     return body
 
 # %% ../../nbs/13_llm_openai.ipynb #0fadf021
-TOKEN_COUNT_SOURCES = ('per_choice', 'logprobs', 'usage', 'tokenizer', 'tokenize', 'estimated')
+TOKEN_COUNT_SOURCES = ('per_choice', 'logprobs', 'usage', 'length', 'tokenizer', 'tokenize', 'estimated')
+EXACT_SOURCES = ('per_choice', 'logprobs', 'usage', 'length')   # generated counts, not re-tokenised text
 
 def _apportion(total: int, weights: list[float]) -> list[int]:
     "Split the integer `total` in proportion to `weights` (largest remainders); the parts sum to `total`."
@@ -77,21 +79,23 @@ def _choice_completion(ch: dict, latency_s: float) -> Completion:
     return c
 
 # %% ../../nbs/13_llm_openai.ipynb #655dbd20
-def parse_choices(data: dict, latency_s: float = 0.0) -> tuple[list[Completion], str]:
-    "Completions from a chat-completions response body, and where their token counts came from (`TOKEN_COUNT_SOURCES`)."
+def parse_choices(data: dict, latency_s: float = 0.0, max_tokens: int | None = None) -> tuple[list[Completion], list[str | None]]:
+    "Completions from a response body, and per sample where its token count came from (`TOKEN_COUNT_SOURCES`; None: count it)."
     choices = sorted(data.get('choices') or [], key=lambda c: c.get('index', 0))
     usage = data.get('usage') or {}
     prompt_tokens = int(usage.get('prompt_tokens') or 0)
     total_completion = int(usage.get('completion_tokens') or 0)
     out = [_choice_completion(ch, latency_s) for ch in choices]
     own = [_choice_count(ch) for ch in choices]
-    if out and all(t is not None for t, _ in own):
-        counts, source = [t for t, _ in own], ('logprobs' if any(s == 'logprobs' for _, s in own) else 'per_choice')
-    elif len(out) == 1: counts, source = [total_completion], 'usage'
-    else: counts, source = _apportion(total_completion, [len(c.raw) for c in out]), 'estimated'
-    for c, t in zip(out, counts):
-        c.completion_tokens, c.prompt_tokens = t, prompt_tokens
-    return out, source
+    if len(out) == 1 and own[0][0] is None: own = [(total_completion, 'usage')]
+    elif max_tokens:                    # a sample cut by the limit generated exactly the limit
+        own = [(int(max_tokens), 'length') if t is None and c.finish_reason == 'length' else (t, s)
+               for c, (t, s) in zip(out, own)]
+    rest = [i for i, (t, _) in enumerate(own) if t is None]
+    guess = _apportion(max(0, total_completion - sum(t for t, _ in own if t is not None)), [len(out[i].raw) for i in rest])
+    for i, g in zip(rest, guess): own[i] = (g, None)      # an estimate until the backend counts it
+    for c, (t, _) in zip(out, own): c.completion_tokens, c.prompt_tokens = t, prompt_tokens
+    return out, [s for _, s in own]
 
 # %% ../../nbs/13_llm_openai.ipynb #32f85266
 class LLMRequestError(RuntimeError):
@@ -263,8 +267,8 @@ def served_model(self:OpenAIBackend) -> str | None:
 def token_count_source(self:OpenAIBackend) -> str | None:
     "How completion tokens were counted: one of `TOKEN_COUNT_SOURCES`, 'mixed', or None before any call."
     used = [k for k, v in self.token_sources.items() if v]
-    if len(used) > 1 and 'usage' in used: used.remove('usage')   # one-choice calls are exact: name the other way
-    return None if not used else used[0] if len(used) == 1 else 'mixed'
+    main = [k for k in used if k not in ('usage', 'length')] or [k for k in used if k == 'usage'] or used
+    return None if not main else main[0] if len(main) == 1 else 'mixed'   # exact one-choice and cut samples name no way
 
 # %% ../../nbs/13_llm_openai.ipynb #4a5576c5
 @patch
@@ -278,19 +282,51 @@ def record(self:OpenAIBackend) -> dict:
 @patch
 def __repr__(self:OpenAIBackend): return f"OpenAIBackend({self.model_id!r}, base_url={self.base_url!r})"
 
+# %% ../../nbs/13_llm_openai.ipynb #a4365b63
+SHARD_CONNECTIONS = 64
+
+class ClientShards:
+    "httpx clients of at most `SHARD_CONNECTIONS` connections each, for `connections` calls in flight at once."
+    def __init__(self, connections: int, **client_kw):
+        k = max(1, -(-int(connections) // SHARD_CONNECTIONS))
+        per = -(-int(connections) // k)
+        limits = httpx.Limits(max_connections=per, max_keepalive_connections=per)
+        client_kw.setdefault('verify', httpx.create_ssl_context())   # one TLS context (0.3 s to build) for all of them
+        self.clients = [httpx.AsyncClient(limits=limits, **client_kw) for _ in range(k)]
+        self.in_flight = [0] * k
+
+    async def request(self, method: str, url: str, **kw) -> httpx.Response:
+        "One request through the least busy client."
+        i = min(range(len(self.clients)), key=self.in_flight.__getitem__)
+        self.in_flight[i] += 1
+        try: return await self.clients[i].request(method, url, **kw)
+        finally: self.in_flight[i] -= 1
+
+    async def post(self, url: str, **kw) -> httpx.Response: return await self.request('POST', url, **kw)
+    async def get(self, url: str, **kw) -> httpx.Response: return await self.request('GET', url, **kw)
+
+    @property
+    def is_closed(self) -> bool: return any(c.is_closed for c in self.clients)
+    @property
+    def headers(self): return self.clients[0].headers
+    @property
+    def timeout(self): return self.clients[0].timeout
+
+    async def aclose(self):
+        for c in self.clients: await c.aclose()
+
 # %% ../../nbs/13_llm_openai.ipynb #1e328b56
 @patch
 def _loop_state(self:OpenAIBackend):
-    "The HTTP client, the concurrency semaphore and the model-name lock of the running event loop (made on first use)."
+    "The HTTP clients, the concurrency semaphore and the model-name lock of the running event loop (made on first use)."
     loop = asyncio.get_running_loop()
     st = self._per_loop.get(loop)
     if st is None or st[0].is_closed:
         headers = {'Content-Type': 'application/json', **self.headers}
         if self.api_key: headers['Authorization'] = f'Bearer {self.api_key}'
-        limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
-        client = httpx.AsyncClient(base_url=self.base_url, headers=headers, limits=limits,
-                                   timeout=httpx.Timeout(self.timeout, connect=self.connect_timeout))
-        st = (client, asyncio.Semaphore(self.max_concurrency), asyncio.Lock())
+        clients = ClientShards(self.max_concurrency, base_url=self.base_url, headers=headers,
+                               timeout=httpx.Timeout(self.timeout, connect=self.connect_timeout))
+        st = (clients, asyncio.Semaphore(self.max_concurrency), asyncio.Lock())
         self._per_loop[loop] = st
     return st
 
@@ -445,15 +481,15 @@ async def _chat(self:OpenAIBackend, request: Request, n: int, seed: int | None) 
     path = '/chat/completions' if request.prompt is None else '/completions'
     data = await self._call('POST', path, body, role=request.role, what=what,
                             headers={'X-TMAS-Role': request.role})
-    cs, source = parse_choices(data, latency_s=time.perf_counter() - t0)
+    cs, sources = parse_choices(data, time.perf_counter() - t0, body.get('max_completion_tokens') or body.get('max_tokens'))
     if data.get('model'): self.served_models[str(data['model'])] += 1
-    if source == 'estimated' and self.token_counts != 'usage':
-        counts, how = await self._count_tokens([c.raw for c in cs])
-        if counts is not None:
-            for c, k in zip(cs, counts): c.completion_tokens = k
-            source = how
-    if source == 'estimated': self.stats['estimated_samples'] += len(cs)
-    self.token_sources[source] += len(cs)
+    todo = [i for i, s in enumerate(sources) if s is None]
+    if todo and self.token_counts != 'usage':
+        counts, how = await self._count_tokens([cs[i].raw for i in todo])
+        for i, k in zip(todo, counts or []): cs[i].completion_tokens, sources[i] = k, how
+    sources = [s or 'estimated' for s in sources]
+    self.stats['estimated_samples'] += sources.count('estimated')
+    self.token_sources.update(sources)
     return cs
 
 # %% ../../nbs/13_llm_openai.ipynb #ae714038

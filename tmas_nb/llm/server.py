@@ -8,6 +8,8 @@ import argparse, asyncio, json, math, socket, sys, threading, time, uuid
 from collections import deque
 from dataclasses import dataclass
 
+from fastcore.basics import patch
+
 from .core import LLM, Request, Completion
 from ..settings import deprecated_alias
 
@@ -359,31 +361,35 @@ class Admission:
             if not self._fits(n, alone): return
             self.waiting.popleft(); self._take(n, alone); fut.set_result(None)
 
-    def close(self):
-        "Refuse new requests and send the waiting ones away with a 503; running ones go on."
-        self.closed = True
-        for fut, _, _ in self.waiting:
-            if not fut.done(): fut.set_exception(BadRequest('the server is shutting down; retry later or elsewhere', status=503))
-        self.waiting.clear()
+# %% ../../nbs/15_llm_server.ipynb #28f9819b
+@patch
+def close(self:Admission):
+    "Refuse new requests and send the waiting ones away with a 503; running ones go on."
+    self.closed = True
+    for fut, _, _ in self.waiting:
+        if not fut.done(): fut.set_exception(BadRequest('the server is shutting down; retry later or elsewhere', status=503))
+    self.waiting.clear()
 
-    async def run(self, n: int, make, alone: bool = False):
-        "Wait for a turn for `n` samples, then await `make()`; it runs to its end (holding the turn) even if the caller leaves."
-        if self.closed: raise BadRequest('the server is shutting down; retry later or elsewhere', status=503)
-        if not self.waiting and self._fits(n, alone): self._take(n, alone)
-        else:
-            fut = asyncio.get_running_loop().create_future()
-            self.waiting.append((fut, n, alone))
-            try: await fut
-            except asyncio.CancelledError:
-                if fut.done() and not fut.cancelled() and fut.exception() is None: self._give(n, alone)   # turn came as it left
-                else: self._wake()
-                raise
-        work = asyncio.ensure_future(make())
-        def done(t):
-            self._give(n, alone)
-            if not t.cancelled(): t.exception()        # retrieved, so an abandoned failure is not logged as lost
-        work.add_done_callback(done)
-        return await asyncio.shield(work)
+# %% ../../nbs/15_llm_server.ipynb #7d009f72
+@patch
+async def run(self:Admission, n: int, make, alone: bool = False):
+    "Wait for a turn for `n` samples, then await `make()`; it runs to its end (holding the turn) even if the caller leaves."
+    if self.closed: raise BadRequest('the server is shutting down; retry later or elsewhere', status=503)
+    if not self.waiting and self._fits(n, alone): self._take(n, alone)
+    else:
+        fut = asyncio.get_running_loop().create_future()
+        self.waiting.append((fut, n, alone))
+        try: await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled() and fut.exception() is None: self._give(n, alone)   # turn came as it left
+            else: self._wake()
+            raise
+    work = asyncio.ensure_future(make())
+    def done(t):
+        self._give(n, alone)
+        if not t.cancelled(): t.exception()        # retrieved, so an abandoned failure is not logged as lost
+    work.add_done_callback(done)
+    return await asyncio.shield(work)
 
 # %% ../../nbs/15_llm_server.ipynb #562e32b0
 async def generate_isolated(llm: LLM, request: Request, admission: Admission) -> list[Completion]:
@@ -513,6 +519,7 @@ def _bind(host: str, port: int) -> socket.socket:
     sock.listen(2048); sock.set_inheritable(True)
     return sock
 
+# %% ../../nbs/15_llm_server.ipynb #2f9bafa8
 def _uvicorn_server(app, log_level: str):
     "A uvicorn server whose shutdown sends waiting requests away at once and gives running ones `shutdown_timeout_s`."
     import uvicorn
@@ -524,10 +531,12 @@ def _uvicorn_server(app, log_level: str):
                             timeout_graceful_shutdown=app.state.limits.shutdown_timeout_s)
     return Server(config)
 
+# %% ../../nbs/15_llm_server.ipynb #17be96d4
 def _app_for(llm: LLM, host: str, **app_kw):
     "The application, refusing foreign `Host` headers when it listens on loopback without a key."
     return create_app(llm, loopback_only=is_loopback(host) and not app_kw.get('api_key'), **app_kw)
 
+# %% ../../nbs/15_llm_server.ipynb #3a4301a0
 def serve(llm: LLM, host: str = '127.0.0.1', port: int = 8000, log_level: str = 'warning', sock=None, **app_kw):
     "Serve `llm` until interrupted (Ctrl-C or SIGTERM), on `sock` when the caller already holds the port."
     sock = sock or _bind(host, port)
@@ -535,6 +544,7 @@ def serve(llm: LLM, host: str = '127.0.0.1', port: int = 8000, log_level: str = 
     try: server.run(sockets=[sock])
     finally: sock.close()
 
+# %% ../../nbs/15_llm_server.ipynb #59903bb4
 class ServerThread:
     "Serve `llm` from a background thread; use as a context manager or call `stop()`."
     def __init__(self, llm: LLM, host: str = '127.0.0.1', port: int = 0, log_level: str = 'warning', **app_kw):
