@@ -4,6 +4,9 @@ The graph is read from the source (AST), not by importing: every `import` and `f
 at the top of a module or inside a function, relative or absolute. A cycle hidden behind an import inside a function
 is still a cycle: the two modules cannot be understood (or loaded) one without the other."""
 import ast
+import functools
+import subprocess
+import sys
 from pathlib import Path
 
 from tmas_nb.core import HEAVY_MODULES
@@ -78,8 +81,13 @@ def _absolute(mod: str, path: Path, node: ast.ImportFrom) -> str:
     return '.'.join(base + ([node.module] if node.module else []))
 
 
-def imports(mod: str, path: Path):
-    "Yield (imported module name, names, inside a function) for every import statement of the file."
+@functools.lru_cache(maxsize=None)
+def imports(mod: str, path: Path) -> list:
+    "(imported module name, names, inside a function) for every import statement of the file."
+    return list(_imports(mod, path))
+
+
+def _imports(mod: str, path: Path):
     tree = ast.parse(path.read_text())
     inner = set()
     for node in ast.walk(tree):
@@ -92,7 +100,8 @@ def imports(mod: str, path: Path):
             yield _absolute(mod, path, node), [a.name for a in node.names], id(node) in inner
 
 
-def graph() -> dict:
+@functools.lru_cache(maxsize=1)
+def _graph() -> dict:
     "tmas_nb module -> the tmas_nb modules it imports (anywhere in the file)."
     mods = modules()
     g = {m: set() for m in mods}
@@ -105,6 +114,11 @@ def graph() -> dict:
                 while t not in mods and '.' in t: t = t.rsplit('.', 1)[0]
                 if t in mods and t != m and t != 'tmas_nb': g[m].add(t)
     return g
+
+
+def graph() -> dict:
+    "tmas_nb module -> the set of tmas_nb modules it imports (a fresh copy of the graph read once per session)."
+    return {m: set(t) for m, t in _graph().items()}
 
 
 def cycles(g: dict) -> list:
@@ -183,3 +197,11 @@ def test_imports_at_top():
                        '`tmas_nb.core.lazy_import`):\n  ' + '\n  '.join(sorted(found)))
     stale = sorted(ALLOWED_INNER - used)
     assert not stale, f'these imports moved to the top: remove them from ALLOWED_INNER: {stale}'
+
+
+def test_heavy_modules_load_on_first_use_only():
+    "Building the whole `tmas` parser imports every module of the package, and none of the heavy optional ones."
+    code = ('import sys; from tmas_nb.cli import build_parser; build_parser(); from tmas_nb.core import HEAVY_MODULES; '
+            'print(",".join(m for m in HEAVY_MODULES if m in sys.modules))')
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True, timeout=120).stdout
+    assert out.strip() == '', f'imported at the top of a module (use tmas_nb.core.lazy_import): {out.strip()}'
