@@ -218,6 +218,7 @@ def verification_paradox(records: pd.DataFrame) -> pd.DataFrame:
 # %% ../nbs/30_analysis.ipynb #aed356ca
 def _norm(s: str) -> str: return ' '.join(str(s).lower().split())
 
+# %% ../nbs/30_analysis.ipynb #2085c79f
 def unique_guidelines(banks: pd.DataFrame) -> pd.DataFrame:
     "Per problem: the last iteration with a guideline bank, its items and its distinct items."
     g = banks[banks['bank'] == 'guideline'] if len(banks) else banks

@@ -8,10 +8,13 @@ import fcntl, hashlib, importlib, math, os, json, stat, sys, tempfile, time, typ
 from contextlib import contextmanager
 from pathlib import Path
 
+import platformdirs
+
 # %% auto #0
-__all__ = ['DATA_HINT', 'LOCK_FILE', 'HEAVY_MODULES', 'repo_root', 'user_data_dir', 'check_data_folder', 'find_data_dir',
-           'data_dir', 'fetch_hint', 'file_mode', 'atomic_write_bytes', 'atomic_write_text', 'atomic_write_json',
-           'sha256_file', 'json_ready', 'FolderInUse', 'in_use_message', 'lock_holder', 'folder_lock', 'lazy_import']
+__all__ = ['DATA_HINT', 'FETCH_HINTS', 'LOCK_FILE', 'HEAVY_MODULES', 'repo_root', 'user_data_dir', 'check_data_folder',
+           'find_data_dir', 'data_dir', 'fetch_hint', 'file_mode', 'atomic_write_bytes', 'atomic_write_text',
+           'atomic_write_json', 'sha256_file', 'json_ready', 'FolderInUse', 'in_use_message', 'lock_holder',
+           'folder_lock', 'lazy_import']
 
 # %% ../nbs/00_core.ipynb #e9ebc090
 DATA_HINT = ("Get the AutoTTS replay stores with `tmas data fetch autotts` (or everything public with "
@@ -26,18 +29,20 @@ def repo_root() -> Path:
         if (p / 'settings.ini').exists(): return p
     return here.parent
 
+# %% ../nbs/00_core.ipynb #84d41b91
 def user_data_dir() -> Path:
     "Where `tmas data fetch` puts data: `$TMAS_DATA_HOME`, else the user's data folder (platformdirs)."
     env = os.environ.get('TMAS_DATA_HOME')
     if env: return Path(env).expanduser()
-    import platformdirs
     return Path(platformdirs.user_data_dir('tmas_nb', appauthor=False))
 
+# %% ../nbs/00_core.ipynb #6473d4bb
 def _shared_data_dir() -> Path | None:
     "`../shared/data` beside the repository, unless `TMAS_NO_SHARED_DATA` is set."
     if os.environ.get('TMAS_NO_SHARED_DATA', '') not in ('', '0'): return None
     return repo_root().parent / 'shared' / 'data'
 
+# %% ../nbs/00_core.ipynb #af2854e2
 def check_data_folder(p: str | os.PathLike, name: str | None = None) -> Path:
     "`p` as a Path when it is a folder; a file or a missing path is an error (`name`: how it names `p`, default 'data folder P')."
     p = Path(p).expanduser(); name = name or f"data folder {p}"
@@ -47,6 +52,7 @@ def check_data_folder(p: str | os.PathLike, name: str | None = None) -> Path:
     if not p.is_dir(): raise FileNotFoundError(f"{name} does not exist. {DATA_HINT}")
     return p
 
+# %% ../nbs/00_core.ipynb #2960afba
 def find_data_dir(path: str | os.PathLike | None = None) -> Path | None:
     "The data folder: `path`, else `$TMAS_DATA_DIR`, else `../shared/data`, else the user data folder; None if none exists."
     if path is not None: return check_data_folder(path)
@@ -56,6 +62,7 @@ def find_data_dir(path: str | os.PathLike | None = None) -> Path | None:
         if p is not None and p.is_dir(): return p
     return None
 
+# %% ../nbs/00_core.ipynb #7c11d543
 def data_dir(path: str | os.PathLike | None = None) -> Path:
     "Like `find_data_dir`, but raises a clear error when no data folder can be found."
     p = find_data_dir(path)
@@ -65,10 +72,13 @@ def data_dir(path: str | os.PathLike | None = None) -> Path:
     return p
 
 # %% ../nbs/00_core.ipynb #cd45ddee
+FETCH_HINTS: list = []
+"Functions `relpath -> sentence` that know the data sets; `tmas_nb.fetch` adds its `fetch_hint` here when imported."
+
 def fetch_hint(relpath: str) -> str:
     "A sentence naming the exact `tmas data fetch …` command that provides `relpath` (a path inside the data folder)."
-    from tmas_nb.fetch import fetch_hint as _hint   # the registry of data sets lives there
-    return _hint(relpath)
+    if FETCH_HINTS: return FETCH_HINTS[-1](relpath)
+    return "`tmas data list` shows the data sets and how to get them."
 
 # %% ../nbs/00_core.ipynb #644e952d
 def _umask() -> int:
@@ -80,11 +90,13 @@ def _umask() -> int:
     m = os.umask(0o022); os.umask(m)
     return m
 
+# %% ../nbs/00_core.ipynb #172e394c
 def file_mode(path: str | os.PathLike) -> int:
     "The permission bits `open(path, 'w')` would leave: those of the file when it exists, else 0o666 less the umask."
     try: return stat.S_IMODE(os.stat(path).st_mode)
     except FileNotFoundError: return 0o666 & ~_umask()
 
+# %% ../nbs/00_core.ipynb #57ca1e9c
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     "Write `data` to `path` atomically (temporary file, fsync, rename), with the permission bits `open()` would give."
     path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
@@ -100,10 +112,12 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
         raise
     return path
 
+# %% ../nbs/00_core.ipynb #08379853
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     "Write `text` (UTF-8) to `path` atomically."
     return atomic_write_bytes(path, text.encode('utf-8'))
 
+# %% ../nbs/00_core.ipynb #19b8a5ab
 def atomic_write_json(path: str | os.PathLike, obj, **kw) -> Path:
     "Write `obj` as indented JSON to `path` atomically."
     return atomic_write_text(path, json.dumps(obj, indent=2, ensure_ascii=False, **kw) + '\n')
@@ -132,6 +146,7 @@ LOCK_FILE = '.lock'
 class FolderInUse(ValueError):
     "Another live process writes into the folder."
 
+# %% ../nbs/00_core.ipynb #a8f5f67d
 _HELD: dict[str, int] = {}   # the folders (resolved) this process holds locked -> the lock file's descriptor
 
 def _forget_inherited_locks():
@@ -143,11 +158,13 @@ def _forget_inherited_locks():
 
 os.register_at_fork(after_in_child=_forget_inherited_locks)
 
+# %% ../nbs/00_core.ipynb #e9b209ef
 def _read_pid(path: Path) -> int | None:
     try: text = Path(path).read_text().strip()
     except OSError: return None
     return int(text) if text.isdigit() else None
 
+# %% ../nbs/00_core.ipynb #e470a4f2
 def in_use_message(folder, pid: int | None, what: str = 'run folder') -> str:
     "The one-line error for a folder whose lock process `pid` holds."
     who = f"process {pid}" if pid else "another process"
@@ -200,7 +217,7 @@ def folder_lock(folder, what: str = 'run folder'):
         _HELD.pop(key, None); os.close(fd)
 
 # %% ../nbs/00_core.ipynb #781aed45
-HEAVY_MODULES = ('torch', 'transformers', 'trl', 'sentence_transformers', 'accelerate', 'peft', 'datasets')
+HEAVY_MODULES = ('torch', 'transformers', 'trl', 'sentence_transformers', 'accelerate', 'peft', 'datasets', 'math_verify', 'sympy')
 "The optional dependencies that are imported only on first use (through `lazy_import`)."
 
 

@@ -5,17 +5,22 @@
 # %% ../nbs/19_doctor.ipynb #f857425a
 from __future__ import annotations
 import json, os, platform, sys, time
+from .core import lazy_import
 from .llm.core import Request, engine_stats
+from .llm.engines import choose_engine
+from .llm.transformers_backend import TransformersBackend
 from .settings import deprecated_alias
 
+torch = lazy_import('torch')
+transformers = lazy_import('transformers')
+
 # %% auto #0
-__all__ = ['SEED_PROMPTS', 'device_report', 'seed_check', 'throughput', 'sample_generation', 'run_doctor', 'format_report',
-           'doctor_cli']
+__all__ = ['torch', 'transformers', 'SEED_PROMPTS', 'device_report', 'seed_check', 'throughput', 'sample_generation',
+           'engine_report', 'run_engines', 'run_doctor', 'format_report', 'doctor_cli']
 
 # %% ../nbs/19_doctor.ipynb #a9f69db9
 def device_report() -> dict:
     "What torch sees: CUDA, the GPU's name, memory and bfloat16 support, and the library versions."
-    import torch, transformers
     d = {'cuda': torch.cuda.is_available(), 'torch': torch.__version__, 'transformers': transformers.__version__,
          'python': platform.python_version(), 'cpu_threads': torch.get_num_threads()}
     if d['cuda']:
@@ -41,6 +46,7 @@ def seed_check(llm, max_new_tokens: int = 16, seed: int = 1234) -> dict:
     return {'equal': not bad, 'requests': len(reqs), 'samples_each': 2, 'mismatched_requests': bad,
             'example': {'alone': alone[bad[0]][0], 'batched': together[bad[0]][0]} if bad else None}
 
+# %% ../nbs/19_doctor.ipynb #35c30890
 def throughput(llm, batch: int = 8, max_new_tokens: int = 32) -> dict:
     "Generated tokens per second for one batch of `batch` seeded requests."
     reqs = [Request.from_prompt(f'Count from {k} upwards, one number per line.', temperature=1.0, top_p=0.95,
@@ -52,6 +58,7 @@ def throughput(llm, batch: int = 8, max_new_tokens: int = 32) -> dict:
     return {'batch': batch, 'max_new_tokens': max_new_tokens, 'tokens': tokens, 'wall_s': round(wall, 3),
             'tokens_per_s': round(tokens / wall, 1) if wall > 0 else None}
 
+# %% ../nbs/19_doctor.ipynb #c177fe7c
 def sample_generation(llm, prompt: str = 'What is 7 times 6? Answer with one number.', max_new_tokens: int = 48) -> dict:
     "One short greedy answer to `prompt`, split into reasoning and response."
     [[c]] = llm.generate_sync([Request.from_prompt(prompt, temperature=0, max_new_tokens=max_new_tokens)])
@@ -59,10 +66,21 @@ def sample_generation(llm, prompt: str = 'What is 7 times 6? Answer with one num
             'completion_tokens': c.completion_tokens}
 
 # %% ../nbs/19_doctor.ipynb #49cec574
+def engine_report(llm) -> dict:
+    "The decode loop `llm` (a `TransformersBackend`) was asked for and chose, and the one each kind of request runs on."
+    seeded, greedy = Request.from_prompt('x', temperature=1.0, seed=1), Request.from_prompt('x', temperature=0)
+    return {'requested': llm.requested_engine, 'chosen': llm.engine, 'seeded_sampling': llm.engine_for([seeded]),
+            'greedy': llm.engine_for([greedy]), 'template_opens_thinking': llm.opens_thinking}
+
+# %% ../nbs/19_doctor.ipynb #4e20a340
+def run_engines(model: str) -> dict:
+    "Width -> (engine, reason): the engine `tmas run --backend auto` would run a run of 1, 8 or 64 sequences on, on a CPU."
+    return {w: (ch.engine, ch.reason) for w in (1, 8, 64) for ch in [choose_engine(model, w, device='cpu')]}
+
+# %% ../nbs/19_doctor.ipynb #5a1f57a9
 def run_doctor(model: str = 'default', device: str | None = None, engine: str = 'auto', batch: int = 8,
                max_new_tokens: int = 32, backend=None) -> dict:
     "Load `model` (or use `backend`, a `TransformersBackend`) and run every check; the report as a dict."
-    from tmas_nb.llm.transformers_backend import TransformersBackend
     report = {'model': model, 'device': device_report()}
     t0 = time.perf_counter()
     llm = backend or TransformersBackend(model, device=device, engine=engine)
@@ -70,26 +88,23 @@ def run_doctor(model: str = 'default', device: str | None = None, engine: str = 
     try:
         m = llm.model
         report['model_device'], report['dtype'] = str(getattr(m, 'device', 'cpu')), str(getattr(m, 'dtype', ''))
-        seeded, greedy = Request.from_prompt('x', temperature=1.0, seed=1), Request.from_prompt('x', temperature=0)
-        report['engine'] = {'requested': llm.requested_engine, 'chosen': llm.engine,
-                            'seeded_sampling': llm.engine_for([seeded]), 'greedy': llm.engine_for([greedy]),
-                            'template_opens_thinking': llm.opens_thinking}
+        report['engine'] = engine_report(llm)
         report['seeds'] = seed_check(llm, max_new_tokens=min(16, max_new_tokens))
         report['throughput'] = throughput(llm, batch, max_new_tokens)
         report['sample'] = sample_generation(llm)
         report['engine_stats'] = engine_stats(llm)
     finally:
         if backend is None: llm.close()
-    if not report['device'].get('cuda'):   # which engine `tmas run --backend auto` would run a run of each width on
-        from tmas_nb.llm.engines import choose_engine
-        report['run_engines'] = {w: (ch.engine, ch.reason) for w in (1, 8, 64) for ch in [choose_engine(model, w, device='cpu')]}
+    if not report['device'].get('cuda'): report['run_engines'] = run_engines(model)
     report['ok'] = bool(report['seeds']['equal'] and not report['engine_stats'].get('engine_fallbacks'))
     return report
 
+# %% ../nbs/19_doctor.ipynb #4672e54b
 def _short(s: str, n: int = 70) -> str:
     s = ' '.join(str(s).split())
     return s if len(s) <= n else s[:n - 3] + '...'
 
+# %% ../nbs/19_doctor.ipynb #fc949602
 def format_report(r: dict) -> str:
     "The doctor's report on one screen."
     d, e, s, t, g = r['device'], r['engine'], r['seeds'], r['throughput'], r['sample']
@@ -125,6 +140,7 @@ def _cmd_doctor(args) -> int:
     print(json.dumps(r, ensure_ascii=False) if args.json else format_report(r))
     return 0 if r['ok'] else 1
 
+# %% ../nbs/19_doctor.ipynb #a32ad4f1
 def doctor_cli(p) -> None:
     "The flags of `tmas doctor`."
     p.add_argument('--model', default='default', help="'default' (Qwen2.5-Coder-0.5B), 'smollm2' (fast), or a model folder")

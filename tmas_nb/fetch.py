@@ -8,7 +8,7 @@ import hashlib, json, os, random, shutil, sys, time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .core import check_data_folder, find_data_dir, sha256_file, user_data_dir
+from .core import FETCH_HINTS, check_data_folder, find_data_dir, sha256_file, user_data_dir
 from .settings import deprecated_alias
 
 # %% auto #0
@@ -367,6 +367,8 @@ def fetch_hint(relpath: str) -> str:
     ds = dataset_of(relpath)
     if ds is None: return "`tmas data list` shows the data sets and how to get them."
     return f"Get it with `{fetch_command(ds)}`" + (f" ({ds.note})." if ds.source is None and ds.note else '.')
+
+FETCH_HINTS.append(fetch_hint)   # `tmas_nb.core.fetch_hint` (which cannot import this module) asks it
 
 # %% ../nbs/18_data_fetch.ipynb #7f981c13
 def _size(n: int) -> str: return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.0f} kB"

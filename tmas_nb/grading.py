@@ -6,17 +6,23 @@
 from __future__ import annotations
 import argparse, functools, json, logging, math, multiprocessing, os, re, sys, threading, unicodedata
 import multiprocessing.util
+from collections.abc import Iterable
 from concurrent.futures import CancelledError, ProcessPoolExecutor, TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, asdict
-from .llm.core import split_thinking, TRUNCATED_NOTE
+from tqdm.auto import tqdm
+
+from .core import lazy_import
+from .llm.core import Request, split_thinking, TRUNCATED_NOTE
+
+math_verify = lazy_import('math_verify')   # 0.85 s to import (it pulls sympy): loaded on the first math comparison
 
 # %% auto #0
-__all__ = ['MAX_LOG_CHARS', 'MAX_PARTS', 'DEFAULT_TIMEOUT', 'JUDGE_PROMPT', 'JUDGE_MAX_CHARS', 'extract_answer_detail',
-           'extract_answer', 'clean_answer', 'answer_kind', 'normalize_text', 'text_equal', 'choice_equal',
-           'split_parts', 'math_equal_job', 'start_pool', 'shutdown_pool', 'check_timeout', 'GradeResult',
-           'grade_many_detail', 'grade_many', 'grade_detail', 'grade', 'parse_verdict', 'judge_messages', 'judge',
-           'pass_at_1', 'grade_cli']
+__all__ = ['math_verify', 'MAX_LOG_CHARS', 'MAX_PARTS', 'DEFAULT_TIMEOUT', 'JUDGE_PROMPT', 'JUDGE_MAX_CHARS',
+           'extract_answer_detail', 'extract_answer', 'clean_answer', 'answer_kind', 'normalize_text', 'text_equal',
+           'choice_equal', 'split_parts', 'math_equal_job', 'start_pool', 'shutdown_pool', 'check_timeout',
+           'GradeResult', 'grade_many_detail', 'grade_many', 'grade_detail', 'grade', 'parse_verdict', 'judge_messages',
+           'judge', 'pass_at_1', 'grade_cli']
 
 # %% ../nbs/16_grading.ipynb #290e9f49
 _BOX_CMD = re.compile(r'\\(?:boxed|fbox)(?![A-Za-z])')
@@ -34,6 +40,7 @@ def _balanced(text: str, i: int) -> int | None:
         j += 1
     return None
 
+# %% ../nbs/16_grading.ipynb #2de1b175
 def _last_box(text: str) -> tuple[str | None, str] | None:
     "Content of the last box and its status ('boxed', 'unclosed_box', 'empty_box'); None when there is no box."
     hits = list(_BOX_CMD.finditer(text))
@@ -50,6 +57,7 @@ def _last_box(text: str) -> tuple[str | None, str] | None:
     content = content.strip()
     return (content, 'boxed') if content else (None, 'empty_box')
 
+# %% ../nbs/16_grading.ipynb #e81f025f
 _ANSWER_PHRASE = re.compile(r'\banswer\b\**\s*(?:is\b\s*:?|:)\**\s*(.+)', re.IGNORECASE)
 
 def _tidy(ans: str) -> str:
@@ -63,6 +71,7 @@ def _tidy(ans: str) -> str:
         if a.startswith('$') and a.endswith('$') and a.count('$') in (2, 4): a = a.strip('$')
     return a
 
+# %% ../nbs/16_grading.ipynb #8adeb254
 def extract_answer_detail(text: str | None, finish_reason: str | None = None,
                           extract_truncated: bool = False) -> tuple[str | None, str]:
     "The final answer in `text` and the rule that found it: `(answer, method)`; answer is None when there is none."
@@ -83,6 +92,7 @@ def extract_answer_detail(text: str | None, finish_reason: str | None = None,
     if '\n' not in s and len(s) <= 80: return _tidy(s) or None, 'whole_text'
     return None, 'none'
 
+# %% ../nbs/16_grading.ipynb #8f82b694
 def extract_answer(text: str | None, finish_reason: str | None = None, extract_truncated: bool = False) -> str | None:
     "The final answer in a model output (see `extract_answer_detail` for the rules), or None."
     return extract_answer_detail(text, finish_reason, extract_truncated)[0]
@@ -99,6 +109,7 @@ def clean_answer(ans) -> str:
     s = re.sub(r'^\\\((.*)\\\)$', r'\1', s).strip()
     return re.sub(r'(?<![.\\])\.$', '', s).strip()
 
+# %% ../nbs/16_grading.ipynb #2f3f75b1
 _TEXT_CMDS = re.compile(r'\\(?:text|textbf|textit|textrm|mathrm|mbox|operatorname)\s*\{([^{}]*)\}')
 _MATH_WORDS = {'sin', 'cos', 'tan', 'cot', 'sec', 'csc', 'log', 'ln', 'exp', 'lim', 'max', 'min', 'gcd', 'lcm',
                'mod', 'det', 'deg', 'arcsin', 'arccos', 'arctan', 'sinh', 'cosh', 'tanh', 'sgn', 'inf', 'sup'}
@@ -110,6 +121,7 @@ def _unwrap_text(s: str) -> str:
         if t == s: return s
         s = t
 
+# %% ../nbs/16_grading.ipynb #db53b2ca
 def _prose_words(s: str) -> list[str]:
     "Words of prose in an answer: outside `$...$`, or inside `\\text{}`, that are not names of math functions."
     texts = [m.group(1) for m in _TEXT_CMDS.finditer(s)]
@@ -119,6 +131,7 @@ def _prose_words(s: str) -> list[str]:
     words = re.findall(r'[A-Za-z]+', ' '.join(texts) + ' ' + outside)
     return [w for w in words if (len(w) >= 3 and w.lower() not in _MATH_WORDS) or w.lower() in _SHORT_WORDS]
 
+# %% ../nbs/16_grading.ipynb #ab78e771
 def answer_kind(ans) -> str:
     "How an answer is compared: 'choice' (a letter A-E), 'text' (prose) or 'math'."
     s = clean_answer(ans)
@@ -136,6 +149,7 @@ def normalize_text(s) -> str:
     s = re.sub(r'[.,;:!?"\'`()\[\]{}]', ' ', s.lower())
     return ' '.join(w for w in s.split() if w not in _FILLER)
 
+# %% ../nbs/16_grading.ipynb #5a28ec3b
 def text_equal(pred, gold) -> bool:
     "Whether two prose answers say the same after `normalize_text`."
     p, g = normalize_text(pred), normalize_text(gold)
@@ -145,6 +159,7 @@ def text_equal(pred, gold) -> bool:
     pw, gw = p.split(), g.split()
     return len(gw) <= 3 and sorted(pw) == sorted(gw)
 
+# %% ../nbs/16_grading.ipynb #90ee56a3
 def choice_equal(pred, gold) -> bool:
     "Whether a prediction picks the same multiple-choice letter as the reference."
     g = re.sub(r'[^A-E]', '', _unwrap_text(clean_answer(gold)))
@@ -154,6 +169,17 @@ def choice_equal(pred, gold) -> bool:
 # %% ../nbs/16_grading.ipynb #0035f4a2
 _OPEN, _CLOSE = '([{', ')]}'
 
+def _closing(t: str, i: int) -> int | None:
+    "Index of the bracket that closes the one at `t[i]`."
+    depth = 0
+    for j in range(i, len(t)):
+        if t[j] in _OPEN: depth += 1
+        elif t[j] in _CLOSE:
+            depth -= 1
+            if depth == 0: return j
+    return None
+
+# %% ../nbs/16_grading.ipynb #ff774fd6
 def split_parts(s: str) -> tuple[list[str], bool]:
     "Split an answer at top-level commas/semicolons: `(parts, ordered)`; ordered when written as a tuple `( ... )`."
     s = s.strip()
@@ -172,16 +198,7 @@ def split_parts(s: str) -> tuple[list[str], bool]:
     parts = [p.replace('\x01', '\\{').replace('\x02', '\\}').strip() for p in parts]
     return [p for p in parts if p], ordered
 
-def _closing(t: str, i: int) -> int | None:
-    "Index of the bracket that closes the one at `t[i]`."
-    depth = 0
-    for j in range(i, len(t)):
-        if t[j] in _OPEN: depth += 1
-        elif t[j] in _CLOSE:
-            depth -= 1
-            if depth == 0: return j
-    return None
-
+# %% ../nbs/16_grading.ipynb #57ceaea9
 def _plain_number(s: str) -> str:
     "`4,151,879,777` or `4{,}151` as `4151879777`; anything else unchanged."
     t = s.replace('{,}', ',').replace('\\,', '').replace('\\!', '')
@@ -202,18 +219,19 @@ class _Excerpt(logging.Filter):
 
 for _name in ('math_verify.parser', 'math_verify.grader'): logging.getLogger(_name).addFilter(_Excerpt())
 
+# %% ../nbs/16_grading.ipynb #12e65226
 @functools.lru_cache(maxsize=64)
 def _mv_parse(s: str, timeout: int):
     "math-verify's parse of `$s$`, remembered: a job asks for the same expression twice (and a timeout costs seconds)."
-    from math_verify import parse
-    return parse(f'${s}$', parsing_timeout=timeout)
+    return math_verify.parse(f'${s}$', parsing_timeout=timeout)
 
+# %% ../nbs/16_grading.ipynb #e1b42be7
 def _mv_equal(gold: str, pred: str, timeout: int) -> bool:
-    from math_verify import verify
     g, p = _mv_parse(gold, timeout), _mv_parse(pred, timeout)
     if not g or not p: return False
-    return verify(g, p, allow_set_relation_comp=True, timeout_seconds=timeout)
+    return math_verify.verify(g, p, allow_set_relation_comp=True, timeout_seconds=timeout)
 
+# %% ../nbs/16_grading.ipynb #1557220e
 def _match_unordered(gold_parts, pred_parts, eq) -> bool:
     "Whether every gold part can be paired with a different equal prediction part (small backtracking search)."
     used = [False] * len(pred_parts)
@@ -227,6 +245,7 @@ def _match_unordered(gold_parts, pred_parts, eq) -> bool:
         return False
     return go(0)
 
+# %% ../nbs/16_grading.ipynb #f55399b2
 MAX_PARTS = 16
 
 def math_equal_job(gold: str, pred: str, timeout: int = 5) -> tuple[bool, str]:
@@ -263,6 +282,16 @@ def _pool_size() -> int:
         return int(env)
     return max(1, min(4, os.cpu_count() or 1))
 
+# %% ../nbs/16_grading.ipynb #822f1b47
+def _end(pool, kill: bool):
+    if pool is None: return
+    if kill:
+        for p in list((getattr(pool, '_processes', None) or {}).values()):  # stuck workers would otherwise block forever
+            try: p.kill()
+            except Exception: pass
+    pool.shutdown(wait=not kill, cancel_futures=True)
+
+# %% ../nbs/16_grading.ipynb #521a08cd
 _POOL_LOCK = threading.Lock()
 
 def start_pool() -> ProcessPoolExecutor:
@@ -278,12 +307,14 @@ def start_pool() -> ProcessPoolExecutor:
             multiprocessing.util.Finalize(_POOL, _end, args=(_POOL, True), exitpriority=100)
         return _POOL
 
+# %% ../nbs/16_grading.ipynb #b6dc3fb3
 def shutdown_pool(kill: bool = False):
     "End the grading pool; with `kill`, stop its workers at once (used after a comparison ran past its time limit)."
     global _POOL
     with _POOL_LOCK: pool, _POOL = _POOL, None
     _end(pool, kill)
 
+# %% ../nbs/16_grading.ipynb #9a136c5e
 def _replace_pool(pool: ProcessPoolExecutor):
     "Kill `pool` if it is still the shared one (another thread may have replaced it already)."
     global _POOL
@@ -292,22 +323,13 @@ def _replace_pool(pool: ProcessPoolExecutor):
         _POOL = None
     _end(pool, kill=True)
 
-def _end(pool, kill: bool):
-    if pool is None: return
-    if kill:
-        for p in list((getattr(pool, '_processes', None) or {}).values()):  # stuck workers would otherwise block forever
-            try: p.kill()
-            except Exception: pass
-    pool.shutdown(wait=not kill, cancel_futures=True)
-
+# %% ../nbs/16_grading.ipynb #a1a7218b
 def _run_math_jobs(jobs: list[tuple[str, str]], timeout: float, progress: bool = False) -> list[tuple[bool, str]]:
     "Run `math_equal_job` on every `(gold, pred)` in the pool, in parallel; results in order."
     results: list = [None] * len(jobs)
     tries = [0] * len(jobs)
     bar = None
-    if progress:
-        from tqdm.auto import tqdm
-        bar = tqdm(total=len(jobs), desc='grading', unit='answer')
+    if progress: bar = tqdm(total=len(jobs), desc='grading', unit='answer')
     inner = max(1, int(min(timeout, 10) // 2))
     todo = list(range(len(jobs)))
     while todo:
@@ -355,6 +377,20 @@ class GradeResult:
     reason: str          # what decided the verdict
     def to_dict(self) -> dict: return asdict(self)
 
+# %% ../nbs/16_grading.ipynb #ebdd7c5c
+_UNIT = re.compile(r'(?:\\(?:text|mbox|mathrm)\s*\{[^{}]*\}|[A-Za-z]{2,}[A-Za-z ]*)\s*')
+
+def _strip_unit(pred: str) -> str:
+    "`210 \\text{ minutes}` or `54 square cm` as `210`, `54`: drop trailing words after a number (in time linear in the length)."
+    first = re.search(r'[A-Za-z]', pred)
+    if not first: return pred
+    i = first.start() - (first.start() > 0 and pred[first.start() - 1] == '\\')   # the unit starts at the first letter (or its `\\`)
+    head, unit = pred[:i], pred[i:]
+    digits = [k for k, c in enumerate(head) if c.isdecimal()]
+    if not digits or '\\' in head[digits[-1]:] or not _UNIT.fullmatch(unit) or _prose_words(head): return pred
+    return head.strip()
+
+# %% ../nbs/16_grading.ipynb #b0f1cda8
 def _prepare(prediction_text, gold, finish_reason, extract_truncated=False):
     if gold is None or not str(gold).strip(): raise ValueError(f"grade: the reference answer is empty ({gold!r}); every problem needs an answer")
     g = clean_answer(gold)
@@ -368,18 +404,7 @@ def _prepare(prediction_text, gold, finish_reason, extract_truncated=False):
         return GradeResult(text_equal(pred, g), ans, method, g, kind, 'prose prediction'), None
     return GradeResult(False, ans, method, g, kind, ''), (g.replace('$', ' '), pred.replace('$', ' '))
 
-_UNIT = re.compile(r'(?:\\(?:text|mbox|mathrm)\s*\{[^{}]*\}|[A-Za-z]{2,}[A-Za-z ]*)\s*')
-
-def _strip_unit(pred: str) -> str:
-    "`210 \\text{ minutes}` or `54 square cm` as `210`, `54`: drop trailing words after a number (in time linear in the length)."
-    first = re.search(r'[A-Za-z]', pred)
-    if not first: return pred
-    i = first.start() - (first.start() > 0 and pred[first.start() - 1] == '\\')   # the unit starts at the first letter (or its `\\`)
-    head, unit = pred[:i], pred[i:]
-    digits = [k for k, c in enumerate(head) if c.isdecimal()]
-    if not digits or '\\' in head[digits[-1]:] or not _UNIT.fullmatch(unit) or _prose_words(head): return pred
-    return head.strip()
-
+# %% ../nbs/16_grading.ipynb #87c228ea
 def grade_many_detail(preds, golds, finish_reasons=None, timeout: float = DEFAULT_TIMEOUT, progress: bool | None = None,
                       extract_truncated: bool = False) -> list[GradeResult]:
     "`GradeResult` for every `(prediction_text, gold)` pair; math comparisons run in parallel in the pool."
@@ -395,16 +420,19 @@ def grade_many_detail(preds, golds, finish_reasons=None, timeout: float = DEFAUL
     for i, (ok, why) in zip(idx, out): results[i].correct, results[i].reason = ok, why
     return results
 
+# %% ../nbs/16_grading.ipynb #a445eff9
 def grade_many(preds, golds, finish_reasons=None, timeout: float = DEFAULT_TIMEOUT, progress: bool | None = None,
                extract_truncated: bool = False) -> list[bool]:
     "Whether each prediction text answers its reference answer correctly (in parallel)."
     return [r.correct for r in grade_many_detail(preds, golds, finish_reasons, timeout, progress, extract_truncated)]
 
+# %% ../nbs/16_grading.ipynb #7bb2e9b4
 def grade_detail(prediction_text: str, gold: str, finish_reason: str | None = None, timeout: float = DEFAULT_TIMEOUT,
                  extract_truncated: bool = False) -> GradeResult:
     "The `GradeResult` of one prediction text against its reference answer."
     return grade_many_detail([prediction_text], [gold], [finish_reason], timeout, progress=False, extract_truncated=extract_truncated)[0]
 
+# %% ../nbs/16_grading.ipynb #9616c8ea
 def grade(prediction_text: str, gold: str, finish_reason: str | None = None, timeout: float = DEFAULT_TIMEOUT,
           extract_truncated: bool = False) -> bool:
     "Whether `prediction_text` (a model output) gives the reference answer `gold`."
@@ -438,16 +466,17 @@ def parse_verdict(reply: str | None) -> bool | None:
     word = re.sub(r'[^a-z]', '', text.strip().lower())
     return {'yes': True, 'right': True, 'true': True, 'no': False, 'false': False}.get(word)
 
+# %% ../nbs/16_grading.ipynb #167227ef
 def judge_messages(question: str, prediction: str, gold: str) -> list[dict]:
     "The chat messages of one judge request."
     prediction = prediction or ''
     pred = prediction if len(prediction) <= JUDGE_MAX_CHARS else '...' + prediction[-JUDGE_MAX_CHARS:]
     return [{'role': 'user', 'content': JUDGE_PROMPT.format(question=question.strip(), gold=clean_answer(gold), prediction=pred.strip())}]
 
+# %% ../nbs/16_grading.ipynb #21769954
 async def judge(llm, question: str, prediction: str, gold: str, runs: int = 3, temperature: float = 0.7,
                 max_new_tokens: int = 256, **request_kw) -> list[bool]:
     "Ask `llm` (a `tmas_nb.llm.core.LLM`) `runs` times whether `prediction` answers `question` with `gold`."
-    from tmas_nb.llm.core import Request
     req = Request(messages=judge_messages(question, prediction, gold), role='judge', n=runs,
                   temperature=temperature, max_new_tokens=max_new_tokens, **request_kw)
     [completions] = await llm.generate([req])
@@ -459,15 +488,13 @@ async def judge(llm, question: str, prediction: str, gold: str, runs: int = 3, t
 # %% ../nbs/16_grading.ipynb #105411e0
 def pass_at_1(correct) -> float:
     "Mean over judge runs of the mean over problems of (correct samples / samples)."
-    import numpy as np
-    if hasattr(correct, 'ndim'):
-        a = np.asarray(correct, dtype=float)
-        if a.ndim == 2: a = a[None]
-        if a.ndim != 3 or a.size == 0: raise ValueError(f"pass_at_1: expected a [judge_run][problem][sample] table, got shape {a.shape}")
-        return float(a.mean(axis=2).mean(axis=1).mean())
+    if hasattr(correct, 'ndim'):   # an array (numpy, torch): read as the nested lists it holds
+        shape = (1, *correct.shape) if correct.ndim == 2 else tuple(correct.shape)
+        if len(shape) != 3 or 0 in shape: raise ValueError(f"pass_at_1: expected a [judge_run][problem][sample] table, got shape {shape}")
+        correct = correct.tolist() if correct.ndim == 3 else [correct.tolist()]
     runs = list(correct)
     if not runs: raise ValueError("pass_at_1: the table is empty")
-    if all(isinstance(p, (bool, int, float, np.bool_)) for p in runs[0]): runs = [runs]
+    if not any(isinstance(p, Iterable) for p in runs[0]): runs = [runs]   # a [problem][sample] table: one judge run
     per_run = []
     for r, problems in enumerate(runs):
         problems = list(problems)
@@ -486,6 +513,7 @@ def _cmd_grade(args) -> int:
     print(json.dumps(r.to_dict(), ensure_ascii=False) if args.json else ('true' if r.correct else 'false'))
     return 0
 
+# %% ../nbs/16_grading.ipynb #a312cd67
 def grade_cli(p) -> None:
     "The flags of `tmas grade`."
     p.add_argument('--gold', required=True, help='the reference answer, e.g. "$\\frac{1}{2}$"')

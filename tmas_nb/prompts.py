@@ -306,6 +306,7 @@ def experience_lists(experience: Any) -> tuple[list[str], list[str]]:
 def _as_rng(rng: random.Random | int | None) -> random.Random:
     return rng if isinstance(rng, random.Random) else random.Random(0 if rng is None else rng)
 
+# %% ../nbs/20_prompts.ipynb #cb5fab96
 def subsample(items: Sequence[Any], k: int | None, rng: random.Random | int | None = None) -> list[Any]:
     "`k` items drawn at random (seeded by `rng`) from `items`, kept in their original order; all when `k` is None."
     items = list(items)

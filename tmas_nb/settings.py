@@ -31,6 +31,7 @@ class DeprecatedFlag(argparse.Action):
         print(f"tmas: warning: {option_string} is deprecated; use {self.new}", file=sys.stderr)
         setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
 
+# %% ../nbs/00b_settings.ipynb #9b18a2e6
 def deprecated_alias(parser, old: str, new: str, dest: str, type=None, flag: bool = False) -> None:
     "Add `old` as a hidden alias of the flag `new` (destination `dest`); `flag=True` for a switch that takes no value."
     kw = dict(nargs=0, const=True) if flag else dict(type=type)
@@ -48,10 +49,12 @@ class RenamedFlag(argparse.Action):
             print(f"tmas: warning: {option_string} is deprecated; use {self.option_strings[0]}", file=sys.stderr)
         setattr(namespace, self.dest, values)
 
+# %% ../nbs/00b_settings.ipynb #440bf56a
 def renamed_flag(parser, new: str, *old: str, **kw):
     "Add flag `new` that also accepts the deprecated spellings `old` (hidden from --help)."
     return parser.add_argument(new, *old, action=RenamedFlag, old=old, **kw)
 
+# %% ../nbs/00b_settings.ipynb #6e9c8582
 class CommandHelp(argparse.HelpFormatter):
     "argparse's help, without the deprecated spellings of renamed flags."
     def _format_action_invocation(self, action):
@@ -70,10 +73,12 @@ def _base_type(annotation) -> str:
     parts = [t.strip() for t in s.replace('Optional[', '').rstrip(']').split('|') if t.strip() != 'None']
     return parts[0] if len(parts) == 1 and parts[0] in _PARSERS else 'str'
 
+# %% ../nbs/00b_settings.ipynb #e60ee658
 def flag_name(f: dataclasses.Field) -> str:
     "The flag of field `f`."
     return f.metadata.get('flag') or '--' + f.name.replace('_', '-')
 
+# %% ../nbs/00b_settings.ipynb #00ac3a6e
 def _default_of(f: dataclasses.Field):
     if f.default is not MISSING: return f.default
     if f.default_factory is not MISSING: return f.default_factory()

@@ -8,14 +8,15 @@ import asyncio, datetime, json, math, os, platform, sys, time
 from dataclasses import dataclass, field, asdict
 from pathlib import Path
 
-from .core import Request, run_sync
+from .core import Request, load_llm, run_sync
+from .llamacpp import LLAMA_CPP_PYTHON, build_llama_server, find_llama_server
 from .models import canonical_model_name, packaged_model, default_device
 
 # %% auto #0
 __all__ = ['ENGINE_CACHE', 'CPU_ENGINES', 'ENGINE_NAMES', 'WIDTHS', 'SOLVE_PROMPT', 'machine_fingerprint', 'default_threads',
-           'engine_cache', 'calibration_path', 'measure_throughput', 'engine_settings', 'engine_llm', 'calibrate',
-           'read_calibration', 'throughput_at', 'EngineChoice', 'choose_engine', 'run_width', 'calibrate_cli',
-           'show_cli', 'build_llama_cli']
+           'engine_cache', 'calibration_path', 'measure_throughput', 'engine_settings', 'engine_llm',
+           'read_calibration', 'calibrate', 'throughput_at', 'EngineChoice', 'choose_engine', 'run_width',
+           'calibrate_cli', 'show_cli', 'build_llama_cli']
 
 # %% ../../nbs/15b_llm_engines.ipynb #7abc191e
 ENGINE_CACHE = Path.home() / '.cache' / 'tmas_nb' / 'engines'
@@ -33,14 +34,17 @@ def machine_fingerprint() -> dict:
     except OSError: pass
     return {'cpu': cpu or platform.processor() or platform.machine(), 'cores': os.cpu_count(), 'arch': platform.machine()}
 
+# %% ../../nbs/15b_llm_engines.ipynb #a7d5529f
 def default_threads() -> int:
     "Threads an engine uses when none are given: every logical core."
     return os.cpu_count() or 1
 
+# %% ../../nbs/15b_llm_engines.ipynb #7cc52e55
 def engine_cache() -> Path:
     "The folder of calibrations: `$TMAS_ENGINES_DIR`, else `~/.cache/tmas_nb/engines`."
     return Path(os.environ.get('TMAS_ENGINES_DIR') or ENGINE_CACHE).expanduser()
 
+# %% ../../nbs/15b_llm_engines.ipynb #f127ecb6
 def calibration_path(model: str = 'default', threads: int | None = None, root: Path | None = None) -> Path:
     "The file holding the calibration of `model` with `threads` threads."
     return Path(root or engine_cache()) / f"{canonical_model_name(model)}-{int(threads or default_threads())}t.json"
@@ -72,16 +76,24 @@ def engine_settings(engine: str, threads: int) -> tuple[str, dict]:
     if engine == 'llama.cpp': return 'llama.cpp', {'threads': threads, 'n_parallel': 1}
     raise ValueError(f"unknown engine {engine!r}; use one of {CPU_ENGINES}")
 
+# %% ../../nbs/15b_llm_engines.ipynb #78218ce1
 def engine_llm(engine: str, model: str = 'default', threads: int | None = None):
     "The `LLM` of one CPU engine as `auto` would run it."
-    from tmas_nb.llm.core import load_llm
     backend, kw = engine_settings(engine, int(threads or default_threads()))
     return load_llm(model, backend, **kw)
 
+# %% ../../nbs/15b_llm_engines.ipynb #69117799
+def read_calibration(model: str = 'default', threads: int | None = None, root: Path | None = None) -> dict | None:
+    "The saved calibration of `model` with `threads` threads, or None."
+    p = calibration_path(model, threads, root)
+    if not p.is_file(): return None
+    try: return json.loads(p.read_text())
+    except json.JSONDecodeError as e: raise ValueError(f"{p}: not valid JSON ({e.msg}); delete it and rerun `tmas engines calibrate`") from None
+
+# %% ../../nbs/15b_llm_engines.ipynb #098563e4
 def calibrate(model: str = 'default', threads: int | None = None, widths=WIDTHS, max_new_tokens: int = 32,
               engines=None, root: Path | None = None, progress: bool = True) -> dict:
     "Measure every available CPU engine on `model` at each width and save the table where `choose_engine` reads it."
-    from tmas_nb.llm.llamacpp import find_llama_server
     threads = int(threads or default_threads())
     engines = list(engines or CPU_ENGINES)
     binary = find_llama_server()
@@ -105,13 +117,6 @@ def calibrate(model: str = 'default', threads: int | None = None, widths=WIDTHS,
     path = calibration_path(model, threads, root); path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(cal, indent=2))
     return cal
-
-def read_calibration(model: str = 'default', threads: int | None = None, root: Path | None = None) -> dict | None:
-    "The saved calibration of `model` with `threads` threads, or None."
-    p = calibration_path(model, threads, root)
-    if not p.is_file(): return None
-    try: return json.loads(p.read_text())
-    except json.JSONDecodeError as e: raise ValueError(f"{p}: not valid JSON ({e.msg}); delete it and rerun `tmas engines calibrate`") from None
 
 # %% ../../nbs/15b_llm_engines.ipynb #5d7252dc
 def throughput_at(by_width: dict, width: int) -> float:
@@ -138,10 +143,10 @@ class EngineChoice:
     tokens_per_s: dict = field(default_factory=dict)   # engine -> expected tokens/s at `width`
     def to_dict(self) -> dict: return asdict(self)
 
+# %% ../../nbs/15b_llm_engines.ipynb #96ab0f22
 def choose_engine(model: str = 'default', width: int = 1, threads: int | None = None, root: Path | None = None,
                   device: str | None = None) -> EngineChoice:
     "The fastest CPU engine for `model` with `width` sequences in flight, by this machine's calibration."
-    from tmas_nb.llm.llamacpp import find_llama_server
     threads = int(threads or default_threads())
     ours = EngineChoice('transformers', {'num_threads': threads}, width=int(width))
     device = device or default_device()
@@ -183,16 +188,7 @@ def _widths(s: str) -> list[int]:
     if not ws or min(ws) < 1: raise ValueError(f"--widths {s!r}: give whole numbers >= 1 separated by commas, e.g. 1,8,64")
     return ws
 
-def _cmd_calibrate(args) -> int:
-    os.environ.setdefault('HF_HUB_OFFLINE', '1')
-    engines = [e.strip() for e in args.engines.split(',')] if args.engines else None
-    bad = [e for e in engines or [] if e not in CPU_ENGINES]
-    if bad: raise ValueError(f"--engines: unknown {bad}; use {', '.join(CPU_ENGINES)}")
-    cal = calibrate(args.model, args.threads, _widths(args.widths), args.max_new_tokens, engines, progress=not args.quiet)
-    for e, why in cal['skipped'].items(): print(f"{e}: not measured: {why}", file=sys.stderr)
-    print(f"saved to {calibration_path(args.model, cal['threads'])}", file=sys.stderr)
-    return _cmd_show(args)
-
+# %% ../../nbs/15b_llm_engines.ipynb #d44324cc
 def _cmd_show(args) -> int:
     threads = int(args.threads or default_threads())
     cal = read_calibration(args.model, threads)
@@ -210,17 +206,30 @@ def _cmd_show(args) -> int:
         print(f"a run {w} wide: {c.engine} ({c.reason})")
     return 0
 
+# %% ../../nbs/15b_llm_engines.ipynb #ef42e34a
+def _cmd_calibrate(args) -> int:
+    os.environ.setdefault('HF_HUB_OFFLINE', '1')
+    engines = [e.strip() for e in args.engines.split(',')] if args.engines else None
+    bad = [e for e in engines or [] if e not in CPU_ENGINES]
+    if bad: raise ValueError(f"--engines: unknown {bad}; use {', '.join(CPU_ENGINES)}")
+    cal = calibrate(args.model, args.threads, _widths(args.widths), args.max_new_tokens, engines, progress=not args.quiet)
+    for e, why in cal['skipped'].items(): print(f"{e}: not measured: {why}", file=sys.stderr)
+    print(f"saved to {calibration_path(args.model, cal['threads'])}", file=sys.stderr)
+    return _cmd_show(args)
+
+# %% ../../nbs/15b_llm_engines.ipynb #a088497b
 def _cmd_build(args) -> int:
-    from tmas_nb.llm.llamacpp import build_llama_server
     t0 = time.perf_counter()
     b = build_llama_server(args.version, jobs=args.jobs, progress=not args.quiet)
     print(f"llama-server built in {time.perf_counter() - t0:.0f} s: {b}")
     return 0
 
+# %% ../../nbs/15b_llm_engines.ipynb #d4eab405
 def _engine_table_flags(p) -> None:
     p.add_argument('--model', default='default', help='a packaged model (default: the default model)')
     p.add_argument('--threads', type=int, default=None, help='CPU threads per engine (default: every core); runs use the table of their own thread count')
 
+# %% ../../nbs/15b_llm_engines.ipynb #d448a787
 def calibrate_cli(p) -> None:
     "The flags of `tmas engines calibrate`."
     _engine_table_flags(p)
@@ -230,17 +239,17 @@ def calibrate_cli(p) -> None:
     p.add_argument('--quiet', action='store_true', help='no progress bar')
     p.set_defaults(func=_cmd_calibrate)
 
+# %% ../../nbs/15b_llm_engines.ipynb #3be5b15b
 def show_cli(p) -> None:
     "The flags of `tmas engines show`."
     _engine_table_flags(p)
     p.add_argument('--width', type=int, action='append', default=None, help='also show the choice for a run this wide (repeatable)')
     p.set_defaults(func=_cmd_show)
 
+# %% ../../nbs/15b_llm_engines.ipynb #af6c1c4d
 def build_llama_cli(p) -> None:
     "The flags of `tmas engines build-llama`."
-    from tmas_nb.llm.llamacpp import LLAMA_CPP_PYTHON
     p.add_argument('--version', default=LLAMA_CPP_PYTHON, help=f'llama-cpp-python release (default {LLAMA_CPP_PYTHON})')
     p.add_argument('--jobs', type=int, default=None, help='parallel compile jobs (default: every core)')
     p.add_argument('--quiet', action='store_true', help='no progress bar')
     p.set_defaults(func=_cmd_build)
-

@@ -8,13 +8,16 @@ import contextlib, fcntl, hashlib, importlib.util, json, os, shutil, tempfile, t
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..core import sha256_file
+from ..core import lazy_import, sha256_file
+
+torch = lazy_import('torch')
+transformers = lazy_import('transformers')
 
 # %% auto #0
-__all__ = ['PACKAGED_MODELS', 'MODEL_ALIASES', 'STAMP', 'QUANTIZE', 'PackagedModel', 'canonical_model_name', 'packaged_model',
-           'ModelPackageMissing', 'part_paths', 'ModelChecksumError', 'join_parts', 'verify_file', 'model_cache_root',
-           'convert_packaged_model', 'resolve_model', 'default_device', 'load_model_and_tokenizer',
-           'RowScaledInt8Linear', 'quantize_model']
+__all__ = ['torch', 'transformers', 'PACKAGED_MODELS', 'MODEL_ALIASES', 'STAMP', 'QUANTIZE', 'PackagedModel',
+           'canonical_model_name', 'packaged_model', 'ModelPackageMissing', 'part_paths', 'ModelChecksumError',
+           'join_parts', 'verify_file', 'model_cache_root', 'convert_packaged_model', 'resolve_model', 'default_device',
+           'load_model_and_tokenizer', 'RowScaledInt8Linear', 'quantize_model']
 
 # %% ../../nbs/11_llm_models.ipynb #5415ba08
 @dataclass(frozen=True)
@@ -158,10 +161,8 @@ def convert_packaged_model(name: str, cache_root=None, force: bool = False, verb
             if len(paths) == 1: gguf = verify_file(paths[0], spec.sha256, spec.pip_line)
             else: gguf = join_parts(paths, build / 'gguf' / spec.gguf_name, spec.sha256, spec.pip_line)
             if verbose: print(f"converting {spec.title} into {final} (once; later loads read the converted folder)")
-            import torch
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
             _clear_quantization(model)
             out = build / 'model'
             model.save_pretrained(out); tok.save_pretrained(out)
@@ -187,14 +188,11 @@ def resolve_model(name: str) -> str:
 # %% ../../nbs/11_llm_models.ipynb #8027947b
 def default_device() -> str:
     "'cuda' when a GPU is visible, else 'cpu'."
-    import torch
     return 'cuda' if torch.cuda.is_available() else 'cpu'
 
 # %% ../../nbs/11_llm_models.ipynb #9a470301
 def load_model_and_tokenizer(name: str = 'default', device: str | None = None, dtype=None, quantize: str | None = None):
     "`(model, tokenizer)` for inference: float32 on CPU (int8 linears with `quantize='int8'`), bfloat16 with `device_map='auto'` on GPU."
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     path = resolve_model(name)
     device = device or default_device()
     if isinstance(dtype, str): dtype = getattr(torch, dtype)
@@ -203,8 +201,8 @@ def load_model_and_tokenizer(name: str = 'default', device: str | None = None, d
     else:
         dtype = dtype or torch.bfloat16
         if device in ('cuda', 'auto'): kw['device_map'] = 'auto'
-    tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
     if device not in ('cuda', 'auto'): model = model.to(device)
     model.eval()
     if tok.pad_token is None: tok.pad_token = tok.eos_token
@@ -221,7 +219,6 @@ class RowScaledInt8Linear:
 # %% ../../nbs/11_llm_models.ipynb #f665c2a3
 def _row_int8_class():
     "The torch module class behind `RowScaledInt8Linear`, built on first use."
-    import torch
     class _RowScaledInt8Linear(torch.nn.Module, RowScaledInt8Linear):
         "A linear layer with int8 weights (a scale per output channel) and int8 activations (a scale per row)."
         EDGE = 1.01
@@ -250,7 +247,6 @@ QUANTIZE = ('int8',)
 
 def quantize_model(model, scheme: str = 'int8') -> int:
     "Replace every `nn.Linear` of `model` (lm_head included) by a `RowScaledInt8Linear`, in place; returns how many."
-    import torch
     if scheme not in QUANTIZE: raise ValueError(f"quantize={scheme!r} is unknown; use one of {QUANTIZE}")
     if torch.backends.quantized.engine not in ('x86', 'fbgemm', 'onednn'):
         raise ValueError(f"quantize='int8' needs the x86 quantized engine, this torch uses {torch.backends.quantized.engine!r}")

@@ -9,13 +9,18 @@ from dataclasses import dataclass, field
 
 from fastcore.basics import patch
 
+from ..core import lazy_import
 from .core import LLM, Request, Completion, THINK_OPEN, THINK_CLOSE
 from .models import load_model_and_tokenizer, canonical_model_name
 
+torch = lazy_import('torch')
+transformers = lazy_import('transformers')
+
 # %% auto #0
-__all__ = ['chat_prompt_ids', 'request_prompt_ids', 'template_opens_thinking', 'end_token_ids', 'finish_sequence',
-           'generation_config', 'row_seed', 'row_sampler', 'decode_rows', 'stop_string_check', 'generate_batch',
-           'hf_generate_batch', 'naive_generate', 'continuous_generate', 'TransformersBackend', 'tiny_random_model']
+__all__ = ['torch', 'transformers', 'chat_prompt_ids', 'request_prompt_ids', 'template_opens_thinking', 'end_token_ids',
+           'finish_sequence', 'generation_config', 'row_seed', 'row_sampler', 'decode_rows', 'stop_string_check',
+           'generate_batch', 'hf_generate_batch', 'naive_generate', 'continuous_generate', 'TransformersBackend',
+           'tiny_random_model']
 
 # %% ../../nbs/12_llm_transformers.ipynb #245c397d
 def _template_kwargs(tok, enable_thinking: bool | None) -> dict:
@@ -24,6 +29,7 @@ def _template_kwargs(tok, enable_thinking: bool | None) -> dict:
         return {'enable_thinking': enable_thinking}
     return {}
 
+# %% ../../nbs/12_llm_transformers.ipynb #71a09bbc
 def chat_prompt_ids(tok, request: Request) -> list[int]:
     "Token ids of `request.messages` through the chat template, ready for generation."
     enc = tok.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=True, return_dict=True,
@@ -86,14 +92,13 @@ def finish_sequence(tok, gen_ids: list[int], request: Request, prompt_tokens: in
 # %% ../../nbs/12_llm_transformers.ipynb #3c79d8ea
 def generation_config(request: Request, n: int, tok, model):
     "A fresh `GenerationConfig` for `request` returning `n` sequences per prompt (no model defaults leak in)."
-    from transformers import GenerationConfig
     sample = request.temperature > 0
     kw = dict(max_new_tokens=request.max_new_tokens, do_sample=sample, num_return_sequences=n if sample else 1,
               pad_token_id=tok.pad_token_id, eos_token_id=sorted(end_token_ids(model, tok)),
               repetition_penalty=1.0)
     if sample: kw.update(temperature=1.0, top_p=1.0, top_k=0)   # the real warping happens in RowSampler
     if request.stop: kw['stop_strings'] = list(request.stop)
-    return GenerationConfig(**kw)
+    return transformers.GenerationConfig(**kw)
 
 # %% ../../nbs/12_llm_transformers.ipynb #33e02782
 def row_seed(seed: int, sample: int) -> int:
@@ -103,7 +108,6 @@ def row_seed(seed: int, sample: int) -> int:
 # %% ../../nbs/12_llm_transformers.ipynb #39bbff54
 def _nucleus_draws(s, k: int, top_p: float, fast_k: int, draw):
     "One token per row of the scaled logits `s`, drawn with `draw(row, probs)` from the row's top-k / top-p nucleus."
-    import torch
     V = s.shape[-1]
     picks = torch.empty((s.shape[0], 1), dtype=torch.long, device=s.device)
     kk = min(k, fast_k)
@@ -128,9 +132,7 @@ def _nucleus_draws(s, k: int, top_p: float, fast_k: int, draw):
 # %% ../../nbs/12_llm_transformers.ipynb #cd89def5
 def _row_sampler_class():
     "The `RowSampler` class, built on first use so that importing this module does not import torch."
-    import torch
-    from transformers import LogitsProcessor
-    class RowSampler(LogitsProcessor):
+    class RowSampler(transformers.LogitsProcessor):
         "Temperature, top-k and top-p, then one draw per row from the row's own generator; keeps only the drawn token."
         FAST_K = 1024   # candidates examined first; rows whose nucleus is wider fall back to the full vocabulary
         def __init__(self, seeds, temperature=1.0, top_k=None, top_p=1.0):
@@ -158,7 +160,6 @@ def _row_sampler_class():
 # %% ../../nbs/12_llm_transformers.ipynb #f9418b84
 def row_sampler(requests: list[Request], per: int):
     "A `RowSampler` for `requests` with `per` rows each (row seeds from each request's seed, else random)."
-    import torch
     r0 = requests[0]
     seeds = []
     for r in requests:
@@ -169,7 +170,6 @@ def row_sampler(requests: list[Request], per: int):
 # %% ../../nbs/12_llm_transformers.ipynb #0ee661b4
 def _left_pad(seqs: list[list[int]], pad_id: int):
     "Token ids and attention mask of `seqs`, padded on the left to a common length."
-    import torch
     L = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), L), dtype=torch.long)
@@ -185,8 +185,6 @@ def _cache_arg(model) -> str:
 # %% ../../nbs/12_llm_transformers.ipynb #b1d0bdff
 def _prefill(model, ids, mask, token_budget: int = 16384):
     "KV cache and last-position logits of left-padded prompts, prefilled in row chunks of about `token_budget` tokens."
-    import torch
-    from transformers import DynamicCache
     B, L = ids.shape
     step = max(1, token_budget // max(L, 1))
     keep_kw = {'logits_to_keep': 1} if 'logits_to_keep' in inspect.signature(model.forward).parameters else {}
@@ -194,7 +192,7 @@ def _prefill(model, ids, mask, token_budget: int = 16384):
     for s in range(0, B, step):
         m = mask[s:s + step]
         pos = (m.cumsum(-1) - 1).masked_fill(m == 0, 1)
-        c = DynamicCache(config=model.config)   # filled in place by the forward pass
+        c = transformers.DynamicCache(config=model.config)   # filled in place by the forward pass
         out = model(input_ids=ids[s:s + step], attention_mask=m, position_ids=pos, use_cache=True,
                     **{_cache_arg(model): c}, **keep_kw)
         caches.append(c); logits.append(out.logits[:, -1, :].float())
@@ -209,7 +207,6 @@ def _prefill(model, ids, mask, token_budget: int = 16384):
 def decode_rows(model, ids, mask, per: int, max_new_tokens: int, end_ids: set[int], sampler=None,
                 finished=None, prefill_tokens: int = 16384, prompt_of=None) -> list[list[int]]:
     "Generated ids of `per` rows per request; a row leaves the batch (and the KV cache) as soon as it ends."
-    import torch
     cache, logits = _prefill(model, ids, mask, prefill_tokens)
     cache_arg = _cache_arg(model)
     prompt_of = list(range(ids.shape[0])) if prompt_of is None else list(prompt_of)   # request -> prefilled prompt
@@ -247,7 +244,6 @@ def stop_string_check(tok, stops):
 # %% ../../nbs/12_llm_transformers.ipynb #6d872a36
 def generate_batch(model, tok, requests: list[Request], prompts: list[list[int]], n: int | None = None) -> list[list[Completion]]:
     "Completions for requests sharing sampling settings and `n`: one prefill per prompt, finished rows leave early."
-    import torch
     r0 = requests[0]; n = n or r0.n
     per = n if r0.temperature > 0 else 1
     sampler = row_sampler(requests, per) if r0.temperature > 0 else None
@@ -270,14 +266,12 @@ def generate_batch(model, tok, requests: list[Request], prompts: list[list[int]]
 # %% ../../nbs/12_llm_transformers.ipynb #3183e6c4
 def hf_generate_batch(model, tok, requests: list[Request], prompts: list[list[int]], n: int | None = None) -> list[list[Completion]]:
     "Like `generate_batch`, through one left-padded call of transformers' `model.generate`."
-    import torch
     r0 = requests[0]; n = n or r0.n
     gc = generation_config(r0, n, tok, model)
     extra = {'tokenizer': tok} if r0.stop else {}
     rows = prompts
     if gc.do_sample:   # our sampler draws every row; generate then only takes the one token left finite
-        from transformers import LogitsProcessorList
-        extra['logits_processor'] = LogitsProcessorList([row_sampler(requests, gc.num_return_sequences)])
+        extra['logits_processor'] = transformers.LogitsProcessorList([row_sampler(requests, gc.num_return_sequences)])
         rows = [p for p in prompts for _ in range(gc.num_return_sequences)]
         per_prompt = gc.num_return_sequences
         gc.do_sample, gc.num_return_sequences, gc.top_k = False, 1, None
@@ -307,7 +301,6 @@ def naive_generate(model, tok, requests: list[Request]) -> list[list[Completion]
 # %% ../../nbs/12_llm_transformers.ipynb #72afe688
 def continuous_generate(model, tok, requests: list[Request], prompts: list[list[int]], n: int | None = None) -> list[list[Completion]]:
     "Like `generate_batch`, through transformers' continuous batching (`model.generate_batch`)."
-    import torch
     r0 = requests[0]; n = n or r0.n
     if r0.temperature > 0 and any(r.seed is not None for r in requests):
         raise ValueError("continuous_generate: transformers' continuous batching draws every row from one generator, so a "
@@ -350,7 +343,6 @@ class TransformersBackend(LLM):
             raise ValueError(f"TransformersBackend: engine={engine!r}; use 'auto', 'batched', 'generate' or 'continuous'")
         if max_batch_size < 1: raise ValueError(f"TransformersBackend: max_batch_size must be >= 1, got {max_batch_size}")
         super().__init__(canonical_model_name(model) + (f'+{quantize}' if quantize else ''))   # cache keys keep the two apart
-        import torch
         if num_threads: torch.set_num_threads(int(num_threads))
         if seed is not None: torch.manual_seed(seed)
         self.model, self.tokenizer = model_and_tokenizer or load_model_and_tokenizer(model, device=device, dtype=dtype, quantize=quantize)
@@ -490,10 +482,8 @@ def close(self:TransformersBackend):
 # %% ../../nbs/12_llm_transformers.ipynb #4332a619
 def tiny_random_model(tok, layers: int = 2, hidden: int = 64, seed: int = 0):
     "A small randomly initialised Llama-style model for `tok`'s vocabulary (for tests of the generation code)."
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True,
                       eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
-    return LlamaForCausalLM(cfg).eval()
+    return transformers.LlamaForCausalLM(cfg).eval()

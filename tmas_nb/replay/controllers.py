@@ -12,6 +12,8 @@ from functools import lru_cache
 import numpy as np
 from scipy.stats import beta as beta_dist
 
+from fastcore.basics import patch
+
 from .environment import ReplayEnv
 
 # %% auto #0
@@ -30,18 +32,21 @@ def beta_confidence_table() -> np.ndarray:
     t[0, :] = 0.0
     return np.ascontiguousarray(t)
 
+# %% ../../nbs/03_replay_controllers.ipynb #f2d7af06
 def beta_confidence(v1: int, v2: int) -> float:
     "Confidence that the leader of a vote with top-two counts (v1, v2) is the majority answer."
     if v1 <= 0: return 0.0
     if v1 <= MAX_COUNT and v2 <= MAX_COUNT: return float(beta_confidence_table()[v1, v2])
     return float(1 - beta_dist.cdf(0.5, v1 + 1, v2 + 1))
 
+# %% ../../nbs/03_replay_controllers.ipynb #b87ab62b
 def vote(answers) -> tuple:
     "(winner, top count, second count) of a plurality vote; ties go to the answer seen first."
     if not len(answers): return None, 0, 0
     common = Counter(answers).most_common(2)
     return common[0][0], common[0][1], (common[1][1] if len(common) > 1 else 0)
 
+# %% ../../nbs/03_replay_controllers.ipynb #c43eb3ed
 def plurality(answers):
     "The plurality answer (ties: seen first), or None for no answers."
     return vote(answers)[0]
@@ -96,6 +101,7 @@ class SelfConsistency(Controller):
         ids = [env.read_whole_id() for _ in range(min(self.k, env.n_available))]
         return env.store.answer(env.question, plurality(ids)) if ids else None
 
+# %% ../../nbs/03_replay_controllers.ipynb #4ba60ee6
 @dataclass
 class ASC(Controller):
     "Adaptive-consistency: sequential whole reads until the Beta confidence exceeds the threshold."
@@ -111,6 +117,7 @@ class ASC(Controller):
                 if beta_confidence(v1, v2) > self.threshold: return env.store.answer(env.question, w)
         return env.store.answer(env.question, plurality(ids)) if ids else None
 
+# %% ../../nbs/03_replay_controllers.ipynb #64d956be
 @dataclass
 class ESC(Controller):
     "Early-stopping consistency: windows of whole reads, stop at a unanimous window."
@@ -191,56 +198,61 @@ def cmc_schedule(beta: float) -> dict:
                 slack=0.04 - 0.03 * b, trend_thresh=0.04 - 0.03 * b, burst_aligned=max(1, round(1 + 2 * b)),
                 widen_burst=max(1, round(1 + 3 * b)), min_complete=max(2, round(2 + 3 * b)), max_rounds=500)
 
+# %% ../../nbs/03_replay_controllers.ipynb #f392a5ec
 @dataclass
 class CMC(Controller):
     "Confidence Momentum Controller (AutoTTS), parameterised by one scalar β."
     beta: float = param(0.5, lo=0, hi=1)
     name = 'cmc'
-    def run(self, env):
-        p = cmc_schedule(self.beta)
-        latest, fin, gone, reads, dis, pool = [], [], [], [], [], []
-        def open_branch():
-            _, a, f = env.branch_id()
-            latest.append(a); fin.append(f); gone.append(False); reads.append(0); dis.append(0)
-            if f: pool.append(a)
-        for _ in range(min(p['n_init'], env.n_available)): open_branch()
-        if not latest: return None
-        ema, window = 0.0, []
-        def pool_conf():
-            w, v1, v2 = vote(pool); return w, beta_confidence(v1, v2)
-        for step in range(p['max_rounds']):
-            winner, conf = pool_conf()
-            warm = step >= p['warm_up']
-            ema = (1 - p['alpha']) * ema + p['alpha'] * conf
-            window.append(ema)
-            if len(window) > p['T_ema']: window.pop(0)
-            if warm and winner is not None:
-                live = [i for i in range(len(latest)) if not gone[i] and not fin[i]]
-                for i in live: dis[i] = dis[i] + 1 if latest[i] != winner else 0
-                cands = sorted([i for i in live if dis[i] >= p['abandon_patience']], key=lambda i: -dis[i])
-                for i in cands[:max(0, len(live) - 2)]: gone[i] = True; env.prune(i)
-            live = sorted([i for i in range(len(latest)) if not gone[i] and not fin[i]], key=lambda i: -reads[i])
-            for i in live:
-                aligned = warm and winner is not None and latest[i] == winner
-                for _ in range(p['burst_aligned'] if aligned else 1):
-                    if fin[i]: break
-                    latest[i], fin[i] = env.advance_id(i); reads[i] += 1
-                    if fin[i]: pool.append(latest[i])
-            winner, conf = pool_conf()
-            ema = (1 - p['alpha']) * ema + p['alpha'] * conf
-            window[-1] = ema
-            delta = window[-1] - window[0] if len(window) >= 2 else 0.0
-            if warm and len(pool) >= p['min_complete'] and ema >= p['conf_thresh'] and delta >= -p['slack']:
-                return env.store.answer(env.question, winner)
-            if all(fin[i] or gone[i] for i in range(len(latest))): break
-            if (len(latest) < p['max_branch'] and delta <= p['trend_thresh'] and step >= max(1, p['warm_up'] // 2)
-                    and ema < p['conf_thresh']):
-                for _ in range(p['widen_burst']):
-                    if len(latest) >= p['max_branch'] or env.n_available == 0: break
-                    open_branch()
-        w = plurality(pool)
-        if w is None: w = plurality([latest[i] for i in range(len(latest)) if not gone[i]])
-        return env.store.answer(env.question, w) if w is not None else None
+
+# %% ../../nbs/03_replay_controllers.ipynb #cfdecc77
+@patch
+def run(self: CMC, env):
+    "One episode of CMC on `env`: the answer it commits to (see the four steps above)."
+    p = cmc_schedule(self.beta)
+    latest, fin, gone, reads, dis, pool = [], [], [], [], [], []
+    def open_branch():
+        _, a, f = env.branch_id()
+        latest.append(a); fin.append(f); gone.append(False); reads.append(0); dis.append(0)
+        if f: pool.append(a)
+    for _ in range(min(p['n_init'], env.n_available)): open_branch()
+    if not latest: return None
+    ema, window = 0.0, []
+    def pool_conf():
+        w, v1, v2 = vote(pool); return w, beta_confidence(v1, v2)
+    for step in range(p['max_rounds']):
+        winner, conf = pool_conf()
+        warm = step >= p['warm_up']
+        ema = (1 - p['alpha']) * ema + p['alpha'] * conf
+        window.append(ema)
+        if len(window) > p['T_ema']: window.pop(0)
+        if warm and winner is not None:
+            live = [i for i in range(len(latest)) if not gone[i] and not fin[i]]
+            for i in live: dis[i] = dis[i] + 1 if latest[i] != winner else 0
+            cands = sorted([i for i in live if dis[i] >= p['abandon_patience']], key=lambda i: -dis[i])
+            for i in cands[:max(0, len(live) - 2)]: gone[i] = True; env.prune(i)
+        live = sorted([i for i in range(len(latest)) if not gone[i] and not fin[i]], key=lambda i: -reads[i])
+        for i in live:
+            aligned = warm and winner is not None and latest[i] == winner
+            for _ in range(p['burst_aligned'] if aligned else 1):
+                if fin[i]: break
+                latest[i], fin[i] = env.advance_id(i); reads[i] += 1
+                if fin[i]: pool.append(latest[i])
+        winner, conf = pool_conf()
+        ema = (1 - p['alpha']) * ema + p['alpha'] * conf
+        window[-1] = ema
+        delta = window[-1] - window[0] if len(window) >= 2 else 0.0
+        if warm and len(pool) >= p['min_complete'] and ema >= p['conf_thresh'] and delta >= -p['slack']:
+            return env.store.answer(env.question, winner)
+        if all(fin[i] or gone[i] for i in range(len(latest))): break
+        if (len(latest) < p['max_branch'] and delta <= p['trend_thresh'] and step >= max(1, p['warm_up'] // 2)
+                and ema < p['conf_thresh']):
+            for _ in range(p['widen_burst']):
+                if len(latest) >= p['max_branch'] or env.n_available == 0: break
+                open_branch()
+    w = plurality(pool)
+    if w is None: w = plurality([latest[i] for i in range(len(latest)) if not gone[i]])
+    return env.store.answer(env.question, w) if w is not None else None
 
 # %% ../../nbs/03_replay_controllers.ipynb #1b33d472
 CONTROLLERS = {'sc': SelfConsistency, 'asc': ASC, 'esc': ESC, 'pp': ParallelProbe, 'cmc': CMC}

@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 from fastcore.basics import patch
 
-from ..core import data_dir, find_data_dir, fetch_hint
+from ..core import data_dir, find_data_dir
+from ..fetch import fetch_hint
 
 # %% auto #0
 __all__ = ['MODELS', 'DATASETS', 'ReplayStoreError', 'ReplayStore', 'load_store_file', 'replay_dir', 'store_path', 'load_store',
@@ -26,6 +27,7 @@ DATASETS = ('aime24', 'aime25', 'hmmt25')
 class ReplayStoreError(ValueError):
     "A replay store file is malformed; the message names the file, the question index and the field."
 
+# %% ../../nbs/01_replay_store.ipynb #330fb5c3
 def _fail(path, qi, fld, msg):
     where = f"{path}" + (f", question {qi}" if qi is not None else "") + (f", field '{fld}'" if fld else "")
     raise ReplayStoreError(f"{where}: {msg}")
@@ -171,6 +173,7 @@ def store_path(model: str, dataset: str, data_dir_=None) -> Path:
 @lru_cache(maxsize=32)
 def _load_cached(path: str, mtime: float) -> ReplayStore: return load_store_file(path)
 
+# %% ../../nbs/01_replay_store.ipynb #92a5e489
 def load_store(model: str, dataset: str, data_dir=None) -> ReplayStore:
     "Load (and cache in memory) the replay store for `model` × `dataset`."
     p = store_path(model, dataset, data_dir)
