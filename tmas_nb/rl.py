@@ -659,8 +659,8 @@ def read_problem_file(name: str) -> list[Problem]:
     return out
 
 # %% ../nbs/51_rl.ipynb #d30af037
-def teacher(t: TeacherSettings, progress: bool = True) -> Path:
-    "TMAS iterations by the teacher on `t.benchmark` into OUT/run, then the mixed training rows in OUT/data.parquet."
+def teacher(t: TeacherSettings, progress: bool = True, llm=None) -> Path:
+    "TMAS iterations by the teacher on `t.benchmark` into OUT/run (`llm`: an `LLM` to use instead of `t.model`), then the mixed rows in OUT/data.parquet."
     from tmas_nb.methods import TMASConfig
     from tmas_nb.runs import start_run
     from tmas_nb.llm.core import run_sync
@@ -673,7 +673,7 @@ def teacher(t: TeacherSettings, progress: bool = True) -> Path:
                      max_new_tokens=t.max_new_tokens, seed=t.seed)
     kw = {'num_threads': t.threads} if t.threads and t.backend == 'transformers' else {}
     run_sync(start_run('tmas', problems, cfg, out / 'run', model=t.model, backend=t.backend, benchmark=str(bench),
-                       base_url=t.base_url, progress=progress, **kw))
+                       base_url=t.base_url, llm=llm, progress=progress, **kw))
     rows = data_rows([str(out / 'run')], 'all', t.mix, t.seed)
     return write_rows(rows, out / 'data.parquet', t.format)
 
