@@ -192,12 +192,12 @@ def test_teacher_pipeline_with_the_packaged_model(tmp_path, capsys):
     # the packaged model as the teacher on one demo problem, tiny sizes: a real TMAS run, then rows from it
     out = tmp_path / 'teacher'
     argv = ['rl', 'teacher', '--model', 'smollm2', '--problems', 'demo', '--limit', '1', '--n-candidates', '2',
-            '--n-verifications', '1', '--iterations', '2', '--max-new-tokens', '12', '--threads', '1', '--mix', 'standard=1',
+            '--n-verifications', '1', '--iterations', '1', '--max-new-tokens', '8', '--threads', '1', '--mix', 'standard=1',
             '--format', 'verl', '--quiet', '--out', str(out)]
     assert main(argv) == 0, capsys.readouterr().err
     run = load_run(out / 'run')
     assert run.complete and run.config['method'] == 'tmas' and run.model == 'smollm2'
-    assert sorted(set(run.records['iteration'])) == [0, 1] and len(run.records) == 4
+    assert list(run.records['iteration']) == [0, 0] and run.records['summary'].notna().all()
     rows = read_rows(out / 'data.parquet')
     assert [(r['problem_id'], r['gold'], r['objective']) for r in rows] == [('demo-01', demo_problems()[0].answer, 'standard')]
 
@@ -205,7 +205,7 @@ def test_teacher_pipeline_with_the_packaged_model(tmp_path, capsys):
 def test_teacher_rows_mix_every_objective(tmp_path):
     from tmas_nb.rl import TeacherSettings, teacher
     problems = tmp_path / 'problems.jsonl'
-    problems.write_text(json.dumps({'id': 'a', 'question': 'What is 6 times 7?', 'answer': '42'}) + '\n')
+    problems.write_text(json.dumps({'question_id': 'a', 'question': 'What is 6 times 7?', 'answer': '42'}) + '\n')
     t = TeacherSettings(model='scripted', benchmark=str(problems), n_candidates=2, n_verifications=1, iterations=2,
                         max_new_tokens=16, mix='standard=1,exp_util=1,novelty=1', out=str(tmp_path / 't'))
     rows = read_rows(teacher(t, progress=False, llm=ScriptedLLM(REPLIES)))

@@ -202,6 +202,7 @@ def without_strategy_lines(text: str | None) -> str:
     "The rollout text without its `Strategy: ...` lines (what the policy says about itself)."
     return _STRATEGY_LINE.sub('', text or '').strip()
 
+# %% ../nbs/50_rewards.ipynb #d435dcd1
 def solution_strategy(text: str | None, sentences: int = 2, max_chars: int = 400) -> str:
     "The strategy as the solution text shows it: its first `sentences` sentences of reasoning (no thinking, Strategy lines or boxed answer)."
     body = _BOXED.sub('', without_strategy_lines(strip_thinking(text or '')))
@@ -243,6 +244,7 @@ async def is_new(self: RolloutNoveltyJudge, question: str, solution: str, guidel
         with open(self.cache_path, 'a', encoding='utf-8') as f: f.write(json.dumps({'key': k, 'new': bool(new)}) + '\n')
     return bool(new)
 
+# %% ../nbs/50_rewards.ipynb #bdf4940e
 @patch
 async def judge(self: RolloutNoveltyJudge, questions: Sequence[str], solutions: Sequence[str], guidelines: Sequence[Sequence[str]]) -> list[bool]:
     "`is_new` of each (question, solution, guidelines) triple, concurrently."
@@ -352,6 +354,7 @@ async def __call__(self: HybridReward, prompts, completions, gold, objective, ha
     if log_metric is not None: log_objectives(log_metric, objective, correct, given, target, half)
     return given
 
+# %% ../nbs/50_rewards.ipynb #ddecd716
 def log_objectives(log_metric, objectives, correct, given, target, halves=None) -> None:
     "Log reward/, objective/, accuracy/ and rows/ per objective present, and accuracy/base, accuracy/bank of the exp_util rows."
     for o in OBJECTIVE_NAMES:

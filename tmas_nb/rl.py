@@ -44,6 +44,7 @@ def inject_experience(messages: list[dict], experience: Sequence[str]) -> list[d
     out[last]['content'] = out[last]['content'] + '\n\n' + block
     return out
 
+# %% ../nbs/51_rl.ipynb #e933b7c0
 def _experience_dict(items: Sequence[str]) -> dict:
     "Flat bank items back into anchors and heuristics (an item without a prefix is an anchor)."
     out = {'anchors': [], 'heuristics': []}
@@ -71,6 +72,7 @@ def _snapshot(banks, pid: str, bank: str, iteration: int) -> list[str]:
     b = banks[(banks.problem_id == pid) & (banks.bank == bank) & (banks.iteration <= iteration)]
     return list(b.sort_values('iteration', kind='stable').iloc[-1]['items']) if len(b) else []
 
+# %% ../nbs/51_rl.ipynb #961d8fbb
 def run_inputs(run) -> list[dict]:
     "For each problem and iteration of a TMAS run: the rollouts and bank snapshots the next solution agent sees."
     rec, out, k = run.records, [], run.settings.get('max_rollouts')
@@ -95,6 +97,7 @@ def _open_tmas_run(d, need: str | None):
                          f"this objective needs a TMAS run with its {need} bank enabled")
     return run
 
+# %% ../nbs/51_rl.ipynb #c1ca8d82
 def rows_from_runs(run_dirs: Sequence, objective: str) -> list[dict]:
     "Training rows of `objective` from finished TMAS runs (see `run_inputs`; standard: one row per problem and run)."
     if objective not in OBJECTIVES: raise ValueError(f"--objective {objective!r} is unknown; use one of {', '.join(OBJECTIVES)}")
@@ -132,6 +135,7 @@ def parse_mix(text: str | None) -> dict[str, float]:
         if out[k.strip()] < 0: raise ValueError(f"--mix {text!r}: weight of {k.strip()} must be >= 0")
     return out
 
+# %% ../nbs/51_rl.ipynb #86f7ca19
 def mix_rows(rows: dict[str, list[dict]], mix: dict[str, float], seed: int = 0) -> list[dict]:
     "The most rows of `rows` (by objective) that keep the proportions `mix`, shuffled with `seed`."
     if 'standard' in rows: rows = {**rows, 'standard': list({r['problem_id']: r for r in rows['standard']}.values())}
@@ -158,6 +162,7 @@ def to_verl(rows: list[dict]):
                                          'rollouts': r.get('rollouts') or '[]'},
                           '_source': VERL_SOURCES[r['objective']]} for i, r in enumerate(rows)])
 
+# %% ../nbs/51_rl.ipynb #ab0b6206
 def write_rows(rows: list[dict], path, format: str = 'tmas') -> Path:
     "Write training rows to a Parquet file in our layout (`format='tmas'`) or verl's (`'verl'`)."
     import pandas as pd
@@ -181,6 +186,7 @@ def _items(x) -> list[str]:
         return [f'Anchor: {s}' for s in a] + [f'Heuristic: {s}' for s in h]
     return [str(s) for s in list(x)]
 
+# %% ../nbs/51_rl.ipynb #24683d5f
 def from_verl(df, path) -> list[dict]:
     "Training rows from a DataFrame in verl's layout (`path` names the file in errors)."
     missing = [c for c in ('prompt', 'reward_model', '_source') if c not in df.columns]
@@ -260,6 +266,7 @@ def _with_instruction(messages: list[dict]) -> list[dict]:
     out[last]['content'] += '\n\n' + STRATEGY_INSTRUCTION
     return out
 
+# %% ../nbs/51_rl.ipynb #e48d0540
 def training_rows(rows: list[dict], self_report: bool = False) -> list[dict]:
     "Two rows per problem, in order: the Base prompt (half 'base') and the Bank prompt (half 'bank'); prompts as messages."
     out = []
@@ -286,6 +293,7 @@ def _repeat_sampler_class():
                 yield 2 * idx + (1 if i % self.mini_repeat_count >= half else 0)
     return HalfSplitSampler
 
+# %% ../nbs/51_rl.ipynb #d534e9fe
 def half_split_sampler(n_problems: int, num_generations: int, batch_size: int = 1, repeat_count: int = 1,
                        shuffle: bool = True, seed: int = 0):
     "The sampler of the training rows: groups of `num_generations` rows, half base then half bank, one problem each."
@@ -353,6 +361,7 @@ def validate(self: TrainSettings) -> TrainSettings:
     if not self.out: raise ValueError("--out is required: the folder for metrics.csv and checkpoints")
     return self
 
+# %% ../nbs/51_rl.ipynb #4d2e5216
 @patch(as_prop=True)
 def objective_list(self: TrainSettings) -> list[str]:
     "`objectives` as a list."
@@ -399,10 +408,12 @@ def _has_gpu() -> bool:
     import torch
     return torch.cuda.is_available()
 
+# %% ../nbs/51_rl.ipynb #270233c0
 def _vllm_installed() -> bool:
     import importlib.util
     return importlib.util.find_spec('vllm') is not None
 
+# %% ../nbs/51_rl.ipynb #756c8baa
 def grpo_kwargs(s: TrainSettings, world_size: int = 1) -> dict:
     "The keyword arguments of TRL's GRPOConfig for settings `s` on `world_size` processes."
     per_step = s.problems_per_step * s.num_generations
@@ -420,6 +431,7 @@ def grpo_kwargs(s: TrainSettings, world_size: int = 1) -> dict:
         dataloader_num_workers=0, disable_tqdm=not s.progress, log_completions=False, lr_scheduler_type='constant',
         warmup_steps=0, save_only_model=False, remove_unused_columns=False)
 
+# %% ../nbs/51_rl.ipynb #4a840b15
 def grpo_config(s: TrainSettings, world_size: int = 1):
     "TRL's GRPOConfig for settings `s`."
     from trl import GRPOConfig
@@ -504,6 +516,7 @@ def load_task(s: TrainSettings) -> list[dict]:
     "The problem rows of `s.task`: the toy task (rows of `s.objectives`) or a file of training rows."
     return toy_rows(s.toy_problems, s.seed, s.objective_list) if s.task == 'toy' else read_rows(s.task)
 
+# %% ../nbs/51_rl.ipynb #c57b482b
 def check_settings(out: Path, s: TrainSettings) -> None:
     "Write OUT/settings.json, or refuse when it holds a run with other identity settings."
     p, new = out / 'settings.json', asdict(s)
@@ -513,11 +526,13 @@ def check_settings(out: Path, s: TrainSettings) -> None:
         if diff: raise ValueError(f"{out} holds a training run with other settings ({'; '.join(diff)}); use a new --out or the same settings to resume")
     atomic_write_json(p, {**new, 'trl_notes': PAPER_TRL_NOTES})   # max_steps, save_steps, threads may change on a rerun
 
+# %% ../nbs/51_rl.ipynb #a8baec17
 def last_checkpoint(out) -> Path | None:
     "The newest complete checkpoint folder under OUT/checkpoints, or None."
     done = [d for d in (Path(out) / 'checkpoints').glob('checkpoint-*') if (d / 'trainer_state.json').exists()]
     return max(done, key=lambda d: int(d.name.split('-')[1])) if done else None
 
+# %% ../nbs/51_rl.ipynb #03c3af5a
 def finished_steps(out) -> int:
     "The steps of the finished training in OUT (0 when it has not finished)."
     p = Path(out) / 'finished.json'
@@ -530,6 +545,7 @@ def train(s: TrainSettings) -> Path:
     if int(os.environ.get('RANK', '0') or 0) != 0: return _train(s)   # under accelerate, rank 0 holds the lock for all
     with folder_lock(s.out, 'training folder'): return _train(s)
 
+# %% ../nbs/51_rl.ipynb #f405b6e3
 def _load_policy(s: TrainSettings):
     "(model, tokenizer, end-of-sequence ids) of `s.model`."
     import torch
@@ -543,6 +559,7 @@ def _load_policy(s: TrainSettings):
     eos = {tok.eos_token_id} | set(e if isinstance(e, list) else [e])
     return model, tok, [x for x in eos if x is not None]
 
+# %% ../nbs/51_rl.ipynb #ed6d0747
 def _train(s: TrainSettings) -> Path:
     os.environ.setdefault('HF_HUB_OFFLINE', '1')
     import torch
@@ -575,6 +592,7 @@ def data_rows(runs: Sequence[str], objective: str, mix: str | None = None, seed:
     weights = parse_mix(mix)
     return mix_rows({o: rows_from_runs(runs, o) for o, w in weights.items() if w > 0}, weights, seed)
 
+# %% ../nbs/51_rl.ipynb #605cb2eb
 def _cmd_data(args) -> int:
     rows = data_rows(args.runs, args.objective, args.mix, args.seed, args.toy_problems)
     if not rows: raise ValueError(f"--runs {' '.join(args.runs)}: no problems found")
@@ -605,6 +623,7 @@ def settings_from_args(args) -> TrainSettings:
         layers.append((f'--config {args.config}', read_json(args.config, '--config')))
     return resolve(TrainSettings, *layers, args=args).validate()
 
+# %% ../nbs/51_rl.ipynb #a7dd7b04
 def _cmd_train(args) -> int:
     s = dataclasses.replace(settings_from_args(args), progress=not args.quiet)
     if args.dry_run:
@@ -615,6 +634,7 @@ def _cmd_train(args) -> int:
     print(f"{s.model}: {finished_steps(out)} steps ({s.reward} reward) -> {out / 'metrics.csv'}", file=sys.stderr)
     return 0
 
+# %% ../nbs/51_rl.ipynb #15e1fa1a
 def train_cli(t) -> None:
     "The flags of `tmas rl train`."
     add_settings(t, TrainSettings)
@@ -668,7 +688,7 @@ def teacher(t: TeacherSettings, progress: bool = True, llm=None) -> Path:
     out = Path(t.out); out.mkdir(parents=True, exist_ok=True)
     problems = read_problem_file(t.benchmark)[:t.limit] if t.limit else read_problem_file(t.benchmark)
     bench = out / 'problems.jsonl'     # the run reads its questions back from its benchmark
-    bench.write_text(''.join(json.dumps({'id': p.id, 'question': p.question, 'answer': p.answer}) + '\n' for p in problems), encoding='utf-8')
+    bench.write_text(''.join(json.dumps({'question_id': p.id, 'question': p.question, 'answer': p.answer}) + '\n' for p in problems), encoding='utf-8')
     cfg = TMASConfig(n_candidates=t.n_candidates, n_verifications=t.n_verifications, iterations=t.iterations,
                      max_new_tokens=t.max_new_tokens, seed=t.seed)
     kw = {'num_threads': t.threads} if t.threads and t.backend == 'transformers' else {}
@@ -677,12 +697,14 @@ def teacher(t: TeacherSettings, progress: bool = True, llm=None) -> Path:
     rows = data_rows([str(out / 'run')], 'all', t.mix, t.seed)
     return write_rows(rows, out / 'data.parquet', t.format)
 
+# %% ../nbs/51_rl.ipynb #ba683118
 def _cmd_teacher(args) -> int:
     t = resolve(TeacherSettings, args=args)
     path = teacher(t, progress=not args.quiet)
     print(f"{len(read_rows(path))} rows from {t.model}'s TMAS run -> {path}", file=sys.stderr)
     return 0
 
+# %% ../nbs/51_rl.ipynb #c9aa359d
 def teacher_cli(p) -> None:
     "The flags of `tmas rl teacher`."
     add_settings(p, TeacherSettings, skip=('benchmark',))
