@@ -4,9 +4,9 @@
 
 # %% ../nbs/50_rewards.ipynb #e839effe
 from __future__ import annotations
-import asyncio, hashlib, json, re, threading
+import asyncio, hashlib, json, re
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 from fastcore.basics import patch

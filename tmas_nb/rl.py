@@ -4,18 +4,18 @@
 
 # %% ../nbs/51_rl.ipynb #78405186
 from __future__ import annotations
-import argparse, csv, dataclasses, json, os, random, sys, time
+import csv, dataclasses, json, os, random, sys, time
 from dataclasses import dataclass, asdict
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 from fastcore.basics import patch
 
 from .core import atomic_write_json, folder_lock
-from .data import load_benchmark, load_problems, Problem
+from .data import load_benchmark, Problem
 from .prompts import render_solution_messages, experience_lists, get_templates, fill, subsample
 from .rewards import (HALVES, OBJECTIVE_NAMES, STRATEGY_INSTRUCTION, HybridReward, RolloutNoveltyJudge,
-                             CosineNoveltyJudge, LLMNoveltyJudge)
+                             CosineNoveltyJudge)
 from .runs import load_run
 from .settings import setting, add_settings, resolve, read_json, renamed_flag
 
@@ -561,17 +561,18 @@ def _load_policy(s: TrainSettings):
 
 # %% ../nbs/51_rl.ipynb #ed6d0747
 def _train(s: TrainSettings) -> Path:
+    if s.task != 'toy' and not Path(s.task).is_file(): read_rows(s.task)   # the error that names the missing file
+    out = Path(s.out); out.mkdir(parents=True, exist_ok=True)
+    check_settings(out, s)
+    if finished_steps(out) >= s.max_steps:      # before the heavy imports: a finished run's rerun returns at once
+        print(f"{out}: training finished at step {finished_steps(out)} (--max-steps {s.max_steps}); nothing to do", file=sys.stderr)
+        return out
+    rows = load_task(s)
+    if not rows: raise ValueError(f"--task {s.task}: no problems")
     os.environ.setdefault('HF_HUB_OFFLINE', '1')
     import torch
     from datasets import Dataset
     if s.threads: torch.set_num_threads(s.threads)
-    out = Path(s.out); out.mkdir(parents=True, exist_ok=True)
-    rows = load_task(s)
-    if not rows: raise ValueError(f"--task {s.task}: no problems")
-    check_settings(out, s)
-    if finished_steps(out) >= s.max_steps:
-        print(f"{out}: training finished at step {finished_steps(out)} (--max-steps {s.max_steps}); nothing to do", file=sys.stderr)
-        return out
     model, tok, eos = _load_policy(s)
     args = grpo_config(s, int(os.environ.get('WORLD_SIZE', '1') or 1))
     data = Dataset.from_list([{**r, 'prompt': trainer_prompt(r['prompt'], tok)} for r in training_rows(rows, s.novelty == 'self-report')])
