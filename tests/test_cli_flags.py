@@ -12,17 +12,17 @@ import pytest
 
 from tmas_nb.cli import COMMANDS, build_parser
 
-MODEL_CMDS = {'data hard-subset', 'doctor', 'engines calibrate', 'engines show', 'replay build', 'replay eval', 'rl train',
-              'run', 'serve'}
+MODEL_CMDS = {'data hard-subset', 'doctor', 'engines calibrate', 'engines show', 'replay build', 'replay eval', 'rl teacher',
+              'rl train', 'run', 'serve'}
 FLAGS = {
     # the model, and where it runs (tmas_nb.settings.ModelSettings)
     '--model': ('the model: a packaged name, a folder, or the served name with --base-url (replay: whose traces)', MODEL_CMDS),
-    '--backend': ('where the model runs: auto, transformers, llama.cpp or openai', {'run', 'serve'}),
-    '--base-url': ('URL of an OpenAI-compatible server that answers the model calls', {'discover', 'replay build', 'run'}),
+    '--backend': ('where the model runs: auto, transformers, llama.cpp or openai', {'rl teacher', 'run', 'serve'}),
+    '--base-url': ('URL of an OpenAI-compatible server that answers the model calls', {'discover', 'replay build', 'rl teacher', 'run'}),
     '--api-key': ('the API key of that server (for serve: the key it requires)', {'discover', 'replay build', 'serve'}),
     '--served-model': ("the model's name on the server", {'data hard-subset', 'judge', 'serve'}),
     '--threads': ('CPU threads of a model run here', {'data hard-subset', 'discover', 'engines calibrate', 'engines show',
-                                                      'judge', 'replay build', 'rl train', 'run', 'serve'}),
+                                                      'judge', 'replay build', 'rl teacher', 'rl train', 'run', 'serve'}),
     '--device': ("'cpu' or 'cuda'", {'doctor', 'serve'}),
     '--dtype': ('weight dtype', {'serve'}),
     '--quantize': ('int8 linear layers on a CPU', {'run', 'serve'}),
@@ -34,15 +34,15 @@ FLAGS = {
     '--tokenizer': ("the served model's tokenizer", {'replay build'}),
     '--proposer': ('the model that writes controllers', {'discover'}),
     '--critic': ('the model that reviews them', {'discover'}),
-    '--judge': ('the judge model (a name, a folder or a server URL)', {'judge'}),
+    '--judge': ('the judge model (a name, a folder or a server URL)', {'judge', 'rl train'}),
     # sampling (tmas_nb.agents.SamplingConfig)
     '--temperature': ('sampling temperature', {'data hard-subset', 'judge', 'replay build', 'run'}),
     '--top-p': ('nucleus mass', {'data hard-subset', 'replay build', 'run'}),
     '--top-k': ('top-k', {'data hard-subset', 'run'}),
     '--max-new-tokens': ('new tokens per model answer', {'data hard-subset', 'discover', 'doctor', 'engines calibrate', 'judge',
-                                                        'replay build', 'run'}),
+                                                        'replay build', 'rl teacher', 'run'}),
     '--seed': ('the one seed every random choice derives from', {'data hard-subset', 'discover', 'judge', 'replay build',
-                                                                  'rl data', 'rl train', 'run'}),
+                                                                  'rl data', 'rl teacher', 'rl train', 'run'}),
     # the sandbox (tmas_nb.settings.SandboxSettings)
     '--api': ("a controller file's API", {'replay eval', 'replay grid'}),
     '--timeout': ('seconds allowed for one unit of work (an evaluation, a comparison, a download without data)',
@@ -53,17 +53,17 @@ FLAGS = {
     '--no-sandbox': ('run without the sandbox (trusted code only)', {'discover', 'replay eval', 'replay grid'}),
     # output (tmas_nb.settings.OutputSettings)
     '--out': ('where the results go: a folder or a file', {'data hard-subset', 'discover', 'replay build', 'replay grid',
-                                                          'report', 'rl data', 'rl train', 'run'}),
+                                                          'report', 'rl data', 'rl teacher', 'rl train', 'run'}),
     '--quiet': ('no progress bar', {'data fetch', 'data hard-subset', 'discover', 'engines build-llama', 'engines calibrate',
-                                    'judge', 'replay build', 'replay eval', 'replay grid', 'report', 'rl train', 'run'}),
+                                    'judge', 'replay build', 'replay eval', 'replay grid', 'report', 'rl teacher', 'rl train', 'run'}),
     '--json': ('print one JSON object', {'data list', 'doctor', 'grade', 'replay eval', 'runs summary'}),
     # data
     '--data-dir': ('the data folder', {'data list', 'data mirror', 'discover', 'replay build', 'replay eval', 'replay grid'}),
     '--benchmark': ('a benchmark: a name or a file (replay: the store of that benchmark)',
-                    {'data hard-subset', 'judge', 'replay build', 'replay eval', 'run'}),
+                    {'data hard-subset', 'judge', 'replay build', 'replay eval', 'rl teacher', 'run'}),
     '--benchmarks': ('benchmarks, comma-separated', {'replay grid'}),
     '--models': ('models, comma-separated', {'replay grid'}),
-    '--limit': ('only the first K problems', {'data hard-subset', 'replay build', 'run'}),
+    '--limit': ('only the first K problems', {'data hard-subset', 'replay build', 'rl teacher', 'run'}),
     '--problem-ids': ('a file of problem ids', {'run'}),
     '--dest': ('the data folder to fill', {'data fetch'}),
     '--mirror': ('a data mirror', {'data fetch'}),
@@ -73,7 +73,8 @@ FLAGS = {
     # methods and runs
     '--method': ('the method', {'run'}), '--preset': ("a paper's settings", {'run'}),
     '--config': ('a JSON file of settings (or a preset name)', {'rl train', 'run'}),
-    '--n-candidates': ('N', {'run'}), '--n-verifications': ('M', {'run'}), '--iterations': ('T', {'run'}),
+    '--n-candidates': ('N', {'rl teacher', 'run'}), '--n-verifications': ('M', {'rl teacher', 'run'}),
+    '--iterations': ('T', {'rl teacher', 'run'}),
     '--epsilon': ('exploration probability', {'run'}), '--concurrency': ('problems run at the same time', {'run'}),
     '--answer-from-truncated': ("grade a cut-off output's last box", {'grade', 'run'}),
     # replay
@@ -111,6 +112,9 @@ FLAGS = {
     '--reward': ('the reward', {'rl train'}), '--max-steps': ('optimiser steps', {'rl train'}),
     '--num-generations': ('G', {'rl train'}), '--max-completion-length': ('tokens per rollout', {'rl train'}),
     '--save-steps': ('checkpoint interval', {'rl train'}), '--learning-rate': ('learning rate', {'rl train'}),
+    '--objectives': ("the toy task's objectives", {'rl train'}), '--novelty': ("how a rollout's novelty is read", {'rl train'}),
+    '--problems-per-step': ('groups per optimiser step', {'rl train'}), '--dry-run': ('print the settings, train nothing', {'rl train'}),
+    '--mix': ('proportions of the objectives', {'rl data', 'rl teacher'}), '--format': ('file layout: tmas or verl', {'rl data', 'rl teacher'}),
 }
 
 # old spellings: (command, old flag, a value or None for a switch, destination, the new flag)
@@ -125,6 +129,7 @@ RENAMED = [
     ('doctor', '--engine', 'batched', 'decode', '--decode'),
     ('data fetch', '--base-url', 'http://127.0.0.1:1', 'mirror', '--mirror'),
     ('replay build', '--concurrency', '4', 'requests_in_flight', '--requests-in-flight'),
+    ('rl teacher', '--problems', 'demo', 'benchmark', '--benchmark'),
 ]
 REQUIRED = {'replay eval': ['--model', 'Qwen3-4B', '--benchmark', 'aime24', '--controller', 'sc:k=4'],
             'replay grid': ['--out', 'g.csv'], 'judge': ['RUN', '--judge', 'smollm2'], 'data fetch': ['autotts'],

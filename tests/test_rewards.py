@@ -115,3 +115,34 @@ def test_minilm_cosine_judge():
     assert judge.is_new('prove the statement by induction on n', bank) is False
     assert judge.is_new('look for an invariant modulo 3', bank) is True
     assert judge.is_new(None, bank) is False and judge.is_new('anything', []) is True
+
+
+# ------------------------------------------------------------------ one mixed batch, and a judge that reads the rollout
+
+def test_hybrid_rewards_routes_each_row_of_a_mixed_batch_to_its_objective():
+    from tmas_nb.rewards import hybrid_rewards
+    objectives = ['standard', 'exp_util', 'exp_util', 'exp_util', 'novelty', 'exp_util', 'novelty', 'standard']
+    correct = [True, True, False, True, True, True, False, False]
+    groups = [None, 'base', 'base', 'bank', None, 'bank', None, None]
+    novel = [None, None, None, None, False, None, True, None]
+    # problem p: base 1 of 2 right -> p_base 1/2, a right bank rollout 1 + 0.6 * 0.5
+    got = hybrid_rewards(objectives, correct, groups, novel, problems=['s', 'p', 'p', 'p', 'n', 'p', 'n', 't'], beta=0.6)
+    assert got == pytest.approx([1.0, 1.0, -1.0, 1.3, 0.2, 1.3, -0.5, -1.0])
+    with pytest.raises(ValueError, match="rollout 2: objective 'guideline' is unknown"):
+        hybrid_rewards(['standard', 'novelty', 'guideline'], [1, 1, 1], [None] * 3, [None, True, None])
+    with pytest.raises(ValueError, match="rollout 1 \\(exp_util, problem 'q'\\): p_base is undefined"):
+        hybrid_rewards(['exp_util', 'exp_util'], [1, 1], ['base', 'bank'], [None] * 2, problems=['p', 'q'])
+
+
+def test_the_judge_reads_the_solution_when_the_strategy_line_lies():
+    from tmas_nb.rewards import RolloutNoveltyJudge, solution_strategy
+    bank = ['prove the statement by induction on n']
+    liar = ("We prove the statement by induction on n. The base case n = 1 holds, and the step from n to n + 1 adds "
+            "one term to both sides. Hence \\boxed{12}.\nStrategy: look for an invariant modulo 3")
+    honest = ("Look for an invariant modulo 3: every move keeps the sum of the piles fixed mod 3. So the final pile is "
+              "\\boxed{12}.\nStrategy: look for an invariant modulo 3")
+    self_report = CosineNoveltyJudge(tau=0.7)
+    assert self_report.is_new(strategy_statement(liar), bank) is True       # the old reading believes the line
+    judge = RolloutNoveltyJudge(tau=0.7)                                     # MiniLM on the strategy the solution shows
+    assert 'induction on n' in solution_strategy(liar) and 'invariant' not in solution_strategy(liar)
+    assert asyncio.run(judge.judge(['q', 'q'], [liar, honest], [bank, bank])) == [False, True]

@@ -15,10 +15,11 @@ import pytest
 from tmas_nb.cli import main
 from tmas_nb.data import demo_problems
 from tmas_nb.methods import TMASConfig, RSEConfig
-from tmas_nb.rewards import experience_utilization_rewards
+from tmas_nb.rewards import experience_utilization_rewards, hybrid_rewards
 from tmas_nb.rl import (group_advantages, half_split_sampler, read_rows, rows_from_runs, toy_rows, training_rows,
                         last_checkpoint)
-from tmas_nb.runs import start_run
+from tmas_nb.runs import start_run, load_run
+from tmas_nb.prompts import render_solution_messages
 
 from helpers import REPLIES, ScriptedLLM
 
@@ -71,7 +72,7 @@ def test_experience_bonus_survives_trls_group_normalisation():
     # one problem, G = 8 laid out by the sampler: 4 base (1 correct, p_base = 1/4), 4 bank (3 correct)
     halves = [r['half'] for r in (training_rows(toy_rows(1))[i] for i in half_split_sampler(1, 8, shuffle=False))]
     correct = [True, False, False, False, True, True, True, False]
-    adv = group_advantages(experience_utilization_rewards(correct, halves, beta=0.6), 8)
+    adv = group_advantages(hybrid_rewards(['exp_util'] * 8, correct, halves, [None] * 8, beta=0.6), 8)
     plain = group_advantages([1.0 if c else -1.0 for c in correct], 8)
     assert adv[4] - adv[0] > 0.2                      # a correct bank rollout outranks a correct base rollout
     assert plain[4] == pytest.approx(plain[0])        # correctness alone cannot tell them apart
@@ -87,15 +88,40 @@ def test_rl_data_from_a_tmas_run(tmas_run, tmp_path, capsys):
     out = tmp_path / 'exp.parquet'
     assert main(['rl', 'data', '--runs', str(tmas_run), '--objective', 'exp_util', '--out', str(out)]) == 0
     rows = read_rows(out)
-    assert [r['problem_id'] for r in rows] == [p.id for p in demo_problems()[:2]]
+    assert {r['problem_id'] for r in rows} == {p.id for p in demo_problems()[:2]}
     assert rows[0]['gold'] == demo_problems()[0].answer
     assert 'Anchor: 6 times 7 is 42' in rows[0]['experience']
-    bank = json.loads(rows[0]['prompt_bank'])[-1]['content']
-    assert '6 times 7 is 42' in bank and demo_problems()[0].question in bank
-    assert '6 times 7 is 42' not in rows[0]['prompt']
+    # Base: the question and the previous iteration's candidates with their summaries, as the solution agent sees them
+    run = load_run(tmas_run)
+    rec = run.records[(run.records.problem_id == rows[0]['problem_id']) & (run.records.iteration == 0)].sort_values('candidate')
+    past = [{'solution': x.solution, 'summary': x.summary, 'score': x.mean_score} for x in rec.itertuples()]
+    q = demo_problems()[0].question
+    assert json.loads(rows[0]['prompt']) == render_solution_messages(q, rollouts=past)
+    base = json.loads(rows[0]['prompt'])[-1]['content']
+    assert 'Direct multiplication; the reviewers confirm 42.' in base and 'Six sevens make 42' in base and q in base
+    assert '6 times 7 is 42' not in base
+    # Bank: the same, with the experience bank
+    assert json.loads(rows[0]['prompt_bank']) == render_solution_messages(q, rollouts=past, experience={
+        'anchors': ['6 times 7 is 42'], 'heuristics': ['do not add 6 and 7']})
     nov = rows_from_runs([tmas_run], 'novelty')
     assert nov[0]['guidelines'] == ['compute the product directly']
-    assert 'compute the product directly' in json.loads(nov[0]['prompt'])[-1]['content']
+    assert json.loads(nov[0]['prompt']) == render_solution_messages(q, mode='explore', guidelines=['compute the product directly'])
+
+
+def test_one_mixed_file_and_the_verl_round_trip(tmas_run, tmp_path, capsys):
+    ours, verl = tmp_path / 'mix.parquet', tmp_path / 'mix_verl.parquet'
+    for path, fmt in ((ours, 'tmas'), (verl, 'verl')):
+        assert main(['rl', 'data', '--runs', str(tmas_run), '--objective', 'all', '--mix', 'standard=2,exp_util=2,novelty=1',
+                     '--format', fmt, '--out', str(path)]) == 0
+    rows = read_rows(ours)
+    counts = {o: sum(r['objective'] == o for r in rows) for o in ('standard', 'exp_util', 'novelty')}
+    assert counts == {'standard': 2, 'exp_util': 2, 'novelty': 1}, counts
+    df = pd.read_parquet(verl)
+    assert list(df.columns) == ['prompt', 'data_source', 'reward_model', 'extra_info', '_source']
+    assert sorted(df['_source']) == ['experience', 'experience', 'guideline', 'normal', 'normal']
+    assert read_rows(verl) == rows                      # the same rows back, Bank prompts rebuilt from extra_info
+    assert main(['rl', 'data', '--runs', str(tmas_run), '--objective', 'all', '--mix', 'speed=1', '--out', str(ours)]) == 2
+    assert 'objective=weight' in capsys.readouterr().err
 
 
 def test_rl_data_errors(tmas_run, tmp_path, capsys):
@@ -133,12 +159,19 @@ def test_grpo_training_survives_kill_9(tmp_path, capsys):
     m = pd.read_csv(out / 'metrics.csv')
     assert list(m['step']) == [1, 2]                                   # step 1 was not redone
     assert m.loc[0, 'wall_s'] == m1.loc[0, 'wall_s']
-    for col in ('reward/correctness', 'reward/experience_utilization', 'loss', 'completion_length', 'clip_ratio/region_mean'):
+    for col in ('reward/hybrid', 'rows/standard', 'rows/exp_util', 'rows/novelty', 'loss', 'completion_length', 'clip_ratio/region_mean'):
         assert col in m.columns, list(m.columns)
-    assert m['reward/correctness'].between(-1, 1).all() and m['reward/experience_utilization'].between(-1, 1.6).all()
+    assert (m[['rows/standard', 'rows/exp_util', 'rows/novelty']].sum(axis=1) == 4).all()     # one group of G = 4 per step
+    assert m['reward/hybrid'].between(-1, 1.6).all()
     state = json.loads((last_checkpoint(out) / 'trainer_state.json').read_text())
     assert state['global_step'] == 2
     assert (out / 'model' / 'config.json').exists()
+    settings = json.loads((out / 'settings.json').read_text())
+    assert settings['objectives'] == 'standard,exp_util,novelty' and settings['novelty'] == 'judge' and 'trl_notes' in settings
+    # the finished run's command again: nothing trained, it says so
+    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and 'training finished at step 2' in r.stderr, r.stderr[-3000:]
+    assert list(pd.read_csv(out / 'metrics.csv')['step']) == [1, 2]
     # a rerun with other settings on the same folder is refused
     assert main([*cmd[3:-2], '--learning-rate', '0.5', '--out', str(out)]) == 2
     assert 'other settings (learning_rate: 1e-05 -> 0.5)' in capsys.readouterr().err
@@ -147,7 +180,54 @@ def test_grpo_training_survives_kill_9(tmp_path, capsys):
     d = run_report('rl_training', tmp_path / 'report', dict(runs={'vanilla': str(out), 'hybrid': str(out / 'metrics.csv')}, window=1),
                    progress=False)
     s = pd.read_csv(d / 'start_vs_end.csv')
-    row = s[(s.run == 'hybrid') & (s.measure == 'reward/experience_utilization')].iloc[0]
-    assert row['start'] == pytest.approx(m['reward/experience_utilization'].iloc[0])
-    assert row['end'] == pytest.approx(m['reward/experience_utilization'].iloc[-1])
+    row = s[(s.run == 'hybrid') & (s.measure == 'reward/hybrid')].iloc[0]
+    assert row['start'] == pytest.approx(m['reward/hybrid'].iloc[0])
+    assert row['end'] == pytest.approx(m['reward/hybrid'].iloc[-1])
     assert (d / 'rewards.png').exists() and (d / 'accuracy_by_half.png').exists()
+
+
+# ------------------------------------------------------------------ the teacher pipeline, the paper's settings, accelerate configs
+
+def test_teacher_pipeline_with_the_packaged_model(tmp_path, capsys):
+    # the packaged model as the teacher on one demo problem, tiny sizes: a real TMAS run, then rows from it
+    out = tmp_path / 'teacher'
+    argv = ['rl', 'teacher', '--model', 'smollm2', '--problems', 'demo', '--limit', '1', '--n-candidates', '2',
+            '--n-verifications', '1', '--iterations', '1', '--max-new-tokens', '8', '--threads', '1', '--mix', 'standard=1',
+            '--format', 'verl', '--quiet', '--out', str(out)]
+    assert main(argv) == 0, capsys.readouterr().err
+    run = load_run(out / 'run')
+    assert run.complete and run.config['method'] == 'tmas' and run.model == 'smollm2'
+    assert list(run.records['iteration']) == [0, 0] and run.records['summary'].notna().all()
+    rows = read_rows(out / 'data.parquet')
+    assert [(r['problem_id'], r['gold'], r['objective']) for r in rows] == [('demo-01', demo_problems()[0].answer, 'standard')]
+
+
+def test_teacher_rows_mix_every_objective(tmp_path):
+    from tmas_nb.rl import TeacherSettings, teacher
+    problems = tmp_path / 'problems.jsonl'
+    problems.write_text(json.dumps({'question_id': 'a', 'question': 'What is 6 times 7?', 'answer': '42'}) + '\n')
+    t = TeacherSettings(model='scripted', benchmark=str(problems), n_candidates=2, n_verifications=1, iterations=2,
+                        max_new_tokens=16, mix='standard=1,exp_util=1,novelty=1', out=str(tmp_path / 't'))
+    rows = read_rows(teacher(t, progress=False, llm=ScriptedLLM(REPLIES)))
+    assert sorted(r['objective'] for r in rows) == ['exp_util', 'novelty', 'standard']
+    exp = next(r for r in rows if r['objective'] == 'exp_util')
+    assert 'Direct multiplication' in json.loads(exp['prompt'])[-1]['content'] and exp['question'] == 'What is 6 times 7?'
+
+
+def test_paper_config_and_the_shipped_accelerate_configs(tmp_path, capsys):
+    assert main(['rl', 'train', '--config', 'paper', '--task', 'x.parquet', '--out', str(tmp_path / 'p'), '--dry-run']) == 0
+    d = json.loads(capsys.readouterr().out)
+    s = d['settings']
+    assert (s['model'], s['num_generations'], s['max_completion_length'], s['problems_per_step'], s['learning_rate'],
+            s['max_steps'], s['epsilon'], s['epsilon_high'], s['delta'], s['entropy_coef'], s['kl_beta'], s['experience_beta']) == (
+        'Qwen/Qwen3-4B-Thinking-2507', 16, 81920, 8, 1e-6, 190, 0.2, 0.255, 10.0, 0.0, 0.0, 0.6)
+    assert 'SGLang' in d['trl_notes']['rollouts by SGLang with FP8'] and 'GPU' in d['needs']
+    from tmas_nb.rl import TrainSettings, grpo_config, PRESETS
+    import trl
+    args = grpo_config(TrainSettings(**{**PRESETS['paper'], 'bf16': False}, out=str(tmp_path / 'p')), world_size=8)
+    assert (args.per_device_train_batch_size, args.num_generations, args.epsilon_high, args.delta, args.beta, args.loss_type) == (
+        16, 16, 0.255, 10.0, 0.0, 'dapo'), trl.__version__
+    from accelerate.commands.config.config_args import load_config_from_file
+    for name, kind in (('deepspeed_zero3.yaml', 'DEEPSPEED'), ('fsdp.yaml', 'FSDP')):
+        cfg = load_config_from_file(str(REPO / 'configs' / 'accelerate' / name))
+        assert str(cfg.distributed_type).endswith(kind) and cfg.mixed_precision == 'bf16'

@@ -52,8 +52,12 @@ COMMANDS = {   # command: (module:function that adds its flags, help, descriptio
     'report': ('tmas_nb.reporting:report_cli', 'regenerate a report notebook (papermill) into an output folder',
                'Run reports/NAME.ipynb (or all of them) with papermill; outputs go to OUT/NAME/.'),
     'rl data': ('tmas_nb.rl:data_cli', 'training rows (Parquet) from finished TMAS runs, or the toy task',
-                "Build training rows from finished TMAS run folders: problem, gold answer and the bank snapshots of each "
-                "problem's last iteration. `--runs toy` writes the toy task instead."),
+                "Build training rows from finished TMAS run folders: the solution agent's inputs at each iteration (historical "
+                "rollouts, experience and guideline banks). `--objective all` mixes every objective (--mix); `--format verl` "
+                "writes verl's layout; `--runs toy` writes the toy task instead."),
+    'rl teacher': ('tmas_nb.rl:teacher_cli', 'training rows from TMAS runs of a teacher model on a problem file',
+                   'Run TMAS with the teacher model on problems with gold answers into OUT/run, then write the mixed '
+                   'training rows to OUT/data.parquet (the paper\'s data construction).'),
     'rl train': ('tmas_nb.rl:train_cli', 'GRPO training with the TMAS rewards (resumes from OUT/checkpoints)',
                  'Train with TRL GRPOTrainer. Writes OUT/metrics.csv and OUT/checkpoints; rerunning the same command resumes '
                  'from the last checkpoint. Multi-GPU: accelerate launch -m tmas_nb.cli rl train ...'),

@@ -4,21 +4,25 @@
 
 # %% ../nbs/50_rewards.ipynb #e839effe
 from __future__ import annotations
-import asyncio, hashlib, json, re, threading
+import asyncio, hashlib, json, re
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
+from fastcore.basics import patch
 
 from .grading import grade_many
 from .llm.core import Request
 from .memory import default_embedder
+from .prompts import strip_thinking
 
 # %% auto #0
-__all__ = ['HALVES', 'NOVELTY_REWARDS', 'STRATEGY_INSTRUCTION', 'STRATEGY_SUMMARY_PROMPT', 'NOVELTY_JUDGE_PROMPT',
-           'completion_text', 'check_lengths', 'correctness_reward', 'experience_utilization_rewards', 'novelty_reward',
-           'strategy_statement', 'summarize_strategy', 'CosineNoveltyJudge', 'parse_novelty_verdict', 'LLMNoveltyJudge',
-           'CorrectnessReward', 'consecutive_groups', 'ExperienceUtilizationReward', 'NoveltyReward']
+__all__ = ['HALVES', 'NOVELTY_REWARDS', 'OBJECTIVE_NAMES', 'STRATEGY_INSTRUCTION', 'STRATEGY_SUMMARY_PROMPT',
+           'NOVELTY_JUDGE_PROMPT', 'completion_text', 'check_lengths', 'correctness_reward',
+           'experience_utilization_rewards', 'novelty_reward', 'hybrid_rewards', 'strategy_statement',
+           'summarize_strategy', 'CosineNoveltyJudge', 'parse_novelty_verdict', 'LLMNoveltyJudge',
+           'without_strategy_lines', 'solution_strategy', 'RolloutNoveltyJudge', 'CorrectnessReward',
+           'consecutive_groups', 'ExperienceUtilizationReward', 'NoveltyReward', 'HybridReward', 'log_objectives']
 
 # %% ../nbs/50_rewards.ipynb #88f319f0
 def completion_text(completion: Any) -> str:
@@ -68,6 +72,35 @@ NOVELTY_REWARDS: dict[tuple[bool, bool], float] = {(True, True): 1.0, (True, Fal
 def novelty_reward(correct: bool, new: bool) -> float:
     "The novelty reward of one rollout (see `NOVELTY_REWARDS`)."
     return NOVELTY_REWARDS[(bool(correct), bool(new))]
+
+# %% ../nbs/50_rewards.ipynb #3156c211
+OBJECTIVE_NAMES = ('standard', 'exp_util', 'novelty')
+"The objectives a training row can serve."
+
+def hybrid_rewards(objectives: Sequence[str], correct: Sequence[bool], groups: Sequence[str | None], novel: Sequence[bool | None],
+                   problems: Sequence | None = None, beta: float = 0.6) -> list[float]:
+    "Rewards of one mixed batch before normalisation: standard ±1, exp_util ±1 plus the Bank bonus over its problem's p_base, novelty the table."
+    n = check_lengths(objectives=objectives, correct=correct, groups=groups, novel=novel, problems=problems)
+    probs = list(problems) if problems is not None else [None] * n
+    base: dict = {}
+    for i, o in enumerate(objectives):
+        if o not in OBJECTIVE_NAMES: raise ValueError(f"rollout {i}: objective {o!r} is unknown; use one of {', '.join(OBJECTIVE_NAMES)}")
+        if o == 'exp_util' and groups[i] not in HALVES:
+            raise ValueError(f"rollout {i} (exp_util): group {groups[i]!r} must be 'base' or 'bank'")
+        if o == 'exp_util' and groups[i] == 'base': base.setdefault(probs[i], []).append(bool(correct[i]))
+    out = []
+    for i, (o, c) in enumerate(zip(objectives, correct)):
+        c = bool(c)
+        if o == 'standard': out.append(1.0 if c else -1.0)
+        elif o == 'novelty':
+            if novel[i] is None: raise ValueError(f"rollout {i} (novelty): no novelty verdict; judge the rollout before rewarding it")
+            out.append(novelty_reward(c, novel[i]))
+        else:
+            b = base.get(probs[i])
+            if not b: raise ValueError(f"rollout {i} (exp_util, problem {probs[i]!r}): p_base is undefined, the batch holds no Base "
+                                       "rollout of that problem; keep each problem's Base and Bank rollouts in one group")
+            out.append((1.0 + beta * (1.0 - sum(b) / len(b)) if groups[i] == 'bank' else 1.0) if c else -1.0)
+    return out
 
 # %% ../nbs/50_rewards.ipynb #e7aa15f9
 STRATEGY_INSTRUCTION = "After the final answer, add one last line `Strategy: <your overall method in one sentence>`."
@@ -161,6 +194,63 @@ class LLMNoveltyJudge:
         check_lengths(strategies=strategies, guidelines=guidelines)
         return list(await asyncio.gather(*[self.is_new(s, g) for s, g in zip(strategies, guidelines)]))
 
+# %% ../nbs/50_rewards.ipynb #7bdfc0f2
+_BOXED = re.compile(r'\\boxed\s*\{(?:[^{}]|\{[^{}]*\})*\}')
+_SENTENCE_END = re.compile(r'(?<=[.!?])\s+|\n+')
+
+def without_strategy_lines(text: str | None) -> str:
+    "The rollout text without its `Strategy: ...` lines (what the policy says about itself)."
+    return _STRATEGY_LINE.sub('', text or '').strip()
+
+# %% ../nbs/50_rewards.ipynb #d435dcd1
+def solution_strategy(text: str | None, sentences: int = 2, max_chars: int = 400) -> str:
+    "The strategy as the solution text shows it: its first `sentences` sentences of reasoning (no thinking, Strategy lines or boxed answer)."
+    body = _BOXED.sub('', without_strategy_lines(strip_thinking(text or '')))
+    parts = [p.strip(' *#>-') for p in _SENTENCE_END.split(body)]
+    parts = [p for p in parts if sum(ch.isalpha() for ch in p) >= 3]
+    return ' '.join(parts[:sentences])[:max_chars].strip()
+
+# %% ../nbs/50_rewards.ipynb #c958ab09
+class RolloutNoveltyJudge:
+    "Whether a rollout's strategy, read from the rollout itself, is new for a guideline bank (`llm`: model extraction and verdict; else MiniLM)."
+    def __init__(self, llm=None, tau: float = 0.7, embedder=None, cache_path=None):
+        self.llm, self.cosine = llm, CosineNoveltyJudge(tau, embedder)
+        self.verdicts = LLMNoveltyJudge(llm) if llm is not None else None
+        self.cache, self.cache_path, self.extracted = {}, Path(cache_path) if cache_path else None, 0
+        if self.cache_path and self.cache_path.exists():
+            for line in self.cache_path.read_text(encoding='utf-8').splitlines():
+                if line.strip(): d = json.loads(line); self.cache[d['key']] = d['new']
+
+    def key(self, question: str, solution: str, guidelines: Sequence[str]) -> str:
+        "The cache key of one verdict."
+        return hashlib.sha256(json.dumps([question, without_strategy_lines(solution), list(guidelines)]).encode()).hexdigest()
+
+    async def strategy(self, question: str, solution: str) -> str:
+        "The rollout's strategy: the model's one-sentence summary of the solution (its Strategy lines removed), else `solution_strategy`."
+        self.extracted += 1
+        if self.llm is None: return solution_strategy(solution)
+        return await summarize_strategy(self.llm, question, without_strategy_lines(strip_thinking(solution)))
+
+# %% ../nbs/50_rewards.ipynb #81a17a31
+@patch
+async def is_new(self: RolloutNoveltyJudge, question: str, solution: str, guidelines: Sequence[str]) -> bool:
+    "Whether the strategy of `solution` is new for `guidelines` (an empty bank: any rollout with a strategy is new)."
+    k = self.key(question, solution, guidelines)
+    if k in self.cache: return self.cache[k]
+    s = await self.strategy(question, solution)
+    new = await self.verdicts.is_new(s, list(guidelines)) if self.verdicts is not None else self.cosine.is_new(s, list(guidelines))
+    self.cache[k] = bool(new)
+    if self.cache_path:
+        with open(self.cache_path, 'a', encoding='utf-8') as f: f.write(json.dumps({'key': k, 'new': bool(new)}) + '\n')
+    return bool(new)
+
+# %% ../nbs/50_rewards.ipynb #bdf4940e
+@patch
+async def judge(self: RolloutNoveltyJudge, questions: Sequence[str], solutions: Sequence[str], guidelines: Sequence[Sequence[str]]) -> list[bool]:
+    "`is_new` of each (question, solution, guidelines) triple, concurrently."
+    check_lengths(questions=questions, solutions=solutions, guidelines=guidelines)
+    return list(await asyncio.gather(*[self.is_new(q, s, g) for q, s, g in zip(questions, solutions, guidelines)]))
+
 # %% ../nbs/50_rewards.ipynb #8d52590c
 def _finish_reasons(completion_ids, eos_ids: set[int] | None, max_len: int | None) -> list[str] | None:
     "'length' for a completion that filled `max_len` tokens without an end token, else 'stop' (None when unknown)."
@@ -229,3 +319,50 @@ class NoveltyReward:
         new = await self.judge.judge(strategies, [list(guidelines[i] or []) for i in idx])
         for i, c, n in zip(idx, correct, new): out[i] = novelty_reward(c > 0, n)
         return out
+
+# %% ../nbs/50_rewards.ipynb #dca59000
+class HybridReward:
+    "TRL reward (async): each row gets the reward of its objective (`hybrid_rewards`), or correctness on every row under 'standard'."
+    def __init__(self, reward: str = 'hybrid', beta: float = 0.6, judge=None, novelty: str = 'judge',
+                 max_completion_length: int | None = None, eos_token_ids: Sequence[int] = ()):
+        if reward not in ('hybrid', 'standard'): raise ValueError(f"reward {reward!r}: use 'hybrid' or 'standard'")
+        if novelty not in ('judge', 'self-report'): raise ValueError(f"novelty {novelty!r}: use 'judge' or 'self-report'")
+        self.reward, self.beta, self.novelty, self.__name__ = reward, beta, novelty, 'hybrid' if reward == 'hybrid' else 'correctness'
+        self.judge = judge if judge is not None else (RolloutNoveltyJudge() if novelty == 'judge' else CosineNoveltyJudge())
+        self.max_len, self.eos = max_completion_length, set(eos_token_ids)
+
+    async def novel(self, idx: list[int], texts: list[str], questions, guidelines) -> list[bool]:
+        "The novelty verdicts of rows `idx`: the rollout judge, or the judge of the self-reported Strategy line."
+        banks = [list(guidelines[i] if guidelines[i] is not None else []) for i in idx]
+        if self.novelty == 'self-report': return await self.judge.judge([strategy_statement(texts[i]) for i in idx], banks)
+        return await self.judge.judge([questions[i] if questions is not None else '' for i in idx], [texts[i] for i in idx], banks)
+
+# %% ../nbs/50_rewards.ipynb #1938608d
+@patch
+async def __call__(self: HybridReward, prompts, completions, gold, objective, half=None, problem_id=None, guidelines=None,
+                   question=None, completion_ids=None, log_metric=None, **kw) -> list[float]:
+    "The rewards of one batch; an unserved row or a missing verdict is a `ValueError` naming the row."
+    n, texts = len(completions), [completion_text(c) for c in completions]
+    correct = [x > 0 for x in correctness_reward(texts, gold, _finish_reasons(completion_ids, self.eos, self.max_len))]
+    idx = [i for i, o in enumerate(objective) if o == 'novelty']
+    novel: list = [None] * n
+    if idx:
+        if guidelines is None: raise ValueError(f"row {idx[0]} (novelty): the batch has no 'guidelines' column")
+        for i, v in zip(idx, await self.novel(idx, texts, question, guidelines)): novel[i] = v
+    target = hybrid_rewards(objective, correct, half if half is not None else [None] * n, novel, problem_id, self.beta)
+    given = target if self.reward == 'hybrid' else [1.0 if c else -1.0 for c in correct]
+    if log_metric is not None: log_objectives(log_metric, objective, correct, given, target, half)
+    return given
+
+# %% ../nbs/50_rewards.ipynb #ddecd716
+def log_objectives(log_metric, objectives, correct, given, target, halves=None) -> None:
+    "Log reward/, objective/, accuracy/ and rows/ per objective present, and accuracy/base, accuracy/bank of the exp_util rows."
+    for o in OBJECTIVE_NAMES:
+        idx = [i for i, x in enumerate(objectives) if x == o]
+        log_metric(f'rows/{o}', float(len(idx)))
+        if not idx: continue
+        for name, vals in (('reward', given), ('objective', target), ('accuracy', [float(c) for c in correct])):
+            log_metric(f'{name}/{o}', sum(vals[i] for i in idx) / len(idx))
+    for h in HALVES:
+        xs = [correct[i] for i, o in enumerate(objectives) if o == 'exp_util' and halves is not None and halves[i] == h]
+        if xs: log_metric(f'accuracy/{h}', sum(xs) / len(xs))
