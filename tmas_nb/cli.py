@@ -69,7 +69,7 @@ COMMANDS = {   # command: (module:function that adds its flags, help, descriptio
                     'Lay out the verified files of a data folder as <OUT>/<owner>/<repo>/<commit>/<path> (symlinks unless '
                     '--copy); serve OUT with any static web server, e.g. `python -m http.server -d OUT`, and fetch elsewhere '
                     'with `tmas data fetch NAME --mirror http://HOST:PORT`.'),
-    'data hard-subset': ('tmas_nb.data:hard_subset_cli', "build a hard subset (TMAS's IMO-AnswerBench-50) as a problem-id list",
+    'data hard-subset': ('tmas_nb.hard_subset:hard_subset_cli', "build a hard subset (TMAS's IMO-AnswerBench-50) as a problem-id list",
                          'Sample --samples solutions per problem from a reference model, keep the problems with fewer than '
                          '--threshold correct, pick --k of them with --seed, and write their ids (one per line, with how they '
                          'were chosen) to --out.'),
