@@ -240,3 +240,60 @@ def test_problem_id_list_selects_problems(tmp_path):
     assert [p.id for p in select_problems(demo_problems(), read_problem_ids(f))] == ['demo-01', 'demo-03']
     with pytest.raises(ValueError, match='demo-99'):
         select_problems(demo_problems(), ['demo-99'])
+
+
+# ------------------------------------------------------------------ RSE: the whole trajectory, and the ablations as settings
+
+def test_rse_distils_a_trajectory_longer_than_the_packaged_models_context():
+    "Every part of a ~60K-token trajectory reaches the distiller, in order, each prompt within the packaged model's context."
+    from transformers import AutoTokenizer
+    from tmas_nb.llm.models import resolve_model
+    from tmas_nb.runs import model_context_length
+    from tmas_nb.methods import distill_whole
+    context = model_context_length('default')
+    tok = AutoTokenizer.from_pretrained(resolve_model('default'))
+    reasoning = ''.join(f'line {i}: the running total is now {7 * i} after adding seven.\n' for i in range(3200))
+    long = Completion.from_raw('<think>' + reasoning + '</think>So the answer is \\boxed{42}.')
+    assert len(tok(long.raw)['input_ids']) > context
+    seen = []
+    def distiller(req, k):
+        seen.append(req.messages[-1]['content'])
+        return json.dumps({'verified_propositions': [f'fact from part {k + 1}'], 'critical_pitfalls': []})
+    llm = ScriptedLLM({**REPLIES, 'distillation': distiller})
+    cfg = RSEConfig(n_candidates=1, iterations=2, embedder='hashing', max_new_tokens=1024, distill_context=context)
+    u = asyncio.run(distill_whole(llm, AgentContext(cfg.sampling(), 'p', 'Add sevens.', 0), long, 0, cfg))
+    assert len(seen) > 1 and u.ok and u.answer['parts'] == len(seen)
+    assert 'line 0:' in seen[0] and 'line 3199:' in seen[-1] and '\\boxed{42}' in seen[-1]
+    firsts = [int(p.split('line ', 1)[1].split(':')[0]) for p in seen]   # the first line of each part
+    assert firsts == sorted(firsts)
+    for p in seen: assert len(tok(p)['input_ids']) + 1024 <= context
+    assert u.answer['verified_propositions'] == [f'fact from part {i}' for i in range(1, len(seen) + 1)]
+    bank = RSEBank(embedder=HashingEmbedder())
+    from tmas_nb.agents import apply_distillation
+    assert apply_distillation(bank, u.answer, 'both', 0) >= 1
+
+
+def _round1_system(tmp_path, name, **kw):
+    "The system prompt of RSE's second round after one round whose rollouts distil into near-duplicates."
+    items = [['the sum of the roots is 4', 'the product of the roots is 3'],
+             ['the sum of the two roots is 4', 'the product of both roots is 3'], ['the sum of roots is 4']]
+    reply = lambda req, k: json.dumps({'verified_propositions': items[k % 3], 'critical_pitfalls': ['do not divide by zero']})
+    llm = ScriptedLLM({'solution': '\\boxed{42}', 'distillation': reply})
+    cfg = RSEConfig(n_candidates=3, iterations=2, embedder='hashing', max_new_tokens=16, **kw)
+    asyncio.run(run_method('rse', demo_problems()[:1], llm, cfg, tmp_path / name, progress=False))
+    rec = json.loads(next((tmp_path / name / 'checkpoints').rglob('iter_1.json')).read_text())
+    return llm.by_role('solution')[-1].messages[0]['content'], rec['state']['prompt_items']
+
+
+def test_rse_ablations_are_settings(tmp_path):
+    from tmas_nb.methods import IRRELEVANT_ITEMS
+    sem, n_sem = _round1_system(tmp_path, 'semantic')
+    rnd, n_rnd = _round1_system(tmp_path, 'random', dedup='random')
+    raw, n_raw = _round1_system(tmp_path, 'none', dedup='none')
+    assert n_rnd == n_sem and n_raw['propositions'] == 5 and n_raw['pitfalls'] == 3 and n_sem['propositions'] < 5
+    assert raw.count('do not divide by zero') == 3 and sem.count('do not divide by zero') == 1
+    capped, n_cap = _round1_system(tmp_path, 'cap', dedup='none', max_positive=2, max_negative=1)
+    assert n_cap == {'propositions': 2, 'pitfalls': 1}
+    noisy, n_noisy = _round1_system(tmp_path, 'noise', noise=1.0)
+    assert n_noisy == n_sem and 'the sum of the roots is 4' not in noisy
+    assert any(t in noisy for t in IRRELEVANT_ITEMS['propositions'])

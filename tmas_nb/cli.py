@@ -48,7 +48,7 @@ COMMANDS = {   # command: (module:function that adds its flags, help, descriptio
             'checkpoints and call cache.'),
     'runs summary': ('tmas_nb.runs:summary_cli', 'pass@1 per iteration, tokens per role and completeness of a run',
                      'Print the summary of a run folder; with --json exactly one JSON object with the keys method, problems, '
-                     'iterations, tokens_by_role, complete.'),
+                     'iterations, tokens_by_role, tokens_by_endpoint, complete.'),
     'report': ('tmas_nb.reporting:report_cli', 'regenerate a report notebook (papermill) into an output folder',
                'Run reports/NAME.ipynb (or all of them) with papermill; outputs go to OUT/NAME/.'),
     'rl data': ('tmas_nb.rl:data_cli', 'training rows (Parquet) from finished TMAS runs, or the toy task',

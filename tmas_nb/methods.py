@@ -4,7 +4,7 @@
 
 # %% ../nbs/23_methods.ipynb #e78815be
 from __future__ import annotations
-import asyncio, dataclasses, hashlib, json, os, re, threading, time
+import asyncio, dataclasses, hashlib, json, math, os, re, threading, time
 from collections import Counter
 from dataclasses import dataclass, field, asdict, fields
 from pathlib import Path
@@ -26,11 +26,11 @@ from .data import Problem
 
 # %% auto #0
 __all__ = ['EMBEDDERS', 'RSE_DEDUP', 'DISTILL_CONTEXT', 'CHARS_PER_TOKEN', 'PROMPT_ROOM', 'IRRELEVANT_ITEMS', 'RECORD_COLUMNS',
-           'METHODS', 'MethodConfig', 'TMASConfig', 'RSEConfig', 'distill_budget', 'trajectory_chunks', 'distill_whole',
-           'prompt_items', 'BaselineConfig', 'candidate', 'problem_category', 'records_frame', 'StepResult', 'Method',
-           'TMAS', 'RSE', 'Sampling', 'answer_clusters', 'majority_answer', 'MajorityVote', 'SelfRefine',
-           'VerifyRefine', 'PaCoRe', 'make_method', 'problem_dir_name', 'checkpoint_path', 'bank_path', 'bank_items',
-           'read_checkpoints', 'read_problem_checkpoints', 'run_problem', 'run_method']
+           'METHODS', 'MethodConfig', 'TMASConfig', 'RSEConfig', 'estimate_tokens', 'distill_budget',
+           'trajectory_chunks', 'distill_whole', 'prompt_items', 'BaselineConfig', 'candidate', 'problem_category',
+           'records_frame', 'StepResult', 'Method', 'TMAS', 'RSE', 'Sampling', 'answer_clusters', 'majority_answer',
+           'MajorityVote', 'SelfRefine', 'VerifyRefine', 'PaCoRe', 'make_method', 'problem_dir_name', 'checkpoint_path',
+           'bank_path', 'bank_items', 'read_checkpoints', 'read_problem_checkpoints', 'run_problem', 'run_method']
 
 # %% ../nbs/23_methods.ipynb #7b608a4b
 EMBEDDERS = ('minilm', 'hashing')
@@ -173,40 +173,47 @@ class RSEConfig(MethodConfig):
 # %% ../nbs/23_methods.ipynb #8fe86f90
 DISTILL_CONTEXT = 32_768
 "The distiller's context when neither the run nor the model says (tokens)."
-CHARS_PER_TOKEN = 3
-"Characters per token assumed when sizing a part (English and LaTeX run at about 3.5 to 4 on Qwen-style tokenizers)."
+CHARS_PER_TOKEN = 2.5
+"Characters per token assumed for text other than digits (English and LaTeX run at 3 to 4 on Qwen-style tokenizers)."
 PROMPT_ROOM = 1024
 "Tokens kept for the distillation prompt around a part."
 
+def estimate_tokens(text: str) -> int:
+    "A generous token count of `text`: each digit a token of its own (as Qwen-style tokenizers split numbers), the rest at `CHARS_PER_TOKEN`."
+    digits = sum(map(text.count, '0123456789'))
+    return digits + math.ceil((len(text) - digits) / CHARS_PER_TOKEN)
+
 def distill_budget(config: RSEConfig) -> int:
-    "Characters of trajectory one distillation call may carry: `distill_max_chars`, else from the distiller's context."
-    if config.distill_max_chars: return int(config.distill_max_chars)
+    "Tokens of trajectory one distillation call may carry: the distiller's context less its reply and the prompt around the part."
     ctx = config.distill_context or DISTILL_CONTEXT
     reply = min(config.sampling().for_role('distillation').max_new_tokens, ctx // 2)
-    return max(1000, (ctx - reply - PROMPT_ROOM) * CHARS_PER_TOKEN)
+    return max(500, ctx - reply - PROMPT_ROOM)
 
 # %% ../nbs/23_methods.ipynb #50bdcce3
-def trajectory_chunks(rollout: Completion | str, budget: int) -> list[str]:
-    "The rollout's whole trajectory (reasoning, then final response) in ordered parts of at most `budget` characters, cut at line ends where possible."
+def trajectory_chunks(rollout: Completion | str, budget: int, measure=estimate_tokens) -> list[str]:
+    "The rollout's whole trajectory (reasoning, then final response) in ordered parts of at most `budget` (`measure`: tokens, or `len` for characters), cut at line ends where possible."
     text = rollout_trajectory(rollout, max_chars=10 ** 12)
-    if len(text) <= budget: return [text]
-    room = budget - 40                                 # the part's header
-    parts, cur = [], ''
+    if measure(text) <= budget: return [text]
+    room = budget - measure('(part 9999 of 9999 of one attempt)\n')   # the part's header
+    parts, cur, used = [], [], 0
     for line in text.splitlines(keepends=True):
-        while len(line) > room:                        # a line longer than a part: cut it
-            if cur: parts.append(cur); cur = ''
-            parts.append(line[:room]); line = line[room:]
-        if len(cur) + len(line) > room: parts.append(cur); cur = ''
-        cur += line
-    if cur: parts.append(cur)
+        while measure(line) > room:                    # a line longer than a part: cut it
+            k = max(1, int(len(line) * room / measure(line)))
+            if cur: parts.append(''.join(cur)); cur, used = [], 0
+            parts.append(line[:k]); line = line[k:]
+        if used + measure(line) > room: parts.append(''.join(cur)); cur, used = [], 0
+        cur.append(line); used += measure(line)
+    if cur: parts.append(''.join(cur))
     return [f"(part {i} of {len(parts)} of one attempt)\n{p}" for i, p in enumerate(parts, 1)]
 
 # %% ../nbs/23_methods.ipynb #36d63ff2
 async def distill_whole(llm, ctx: AgentContext, rollout: Completion, candidate: int, config: RSEConfig) -> MemoryUpdate:
     "Distil every part of `rollout`'s trajectory (`trajectory_chunks`) and merge the items in order; one part is one `distill` call as before."
-    budget = distill_budget(config)
-    parts = trajectory_chunks(rollout, budget)
-    if len(parts) == 1: return await distill(llm, ctx, rollout, None, candidate, config.mode, config.memory_retries, budget)
+    if config.distill_max_chars: parts = trajectory_chunks(rollout, config.distill_max_chars, len)
+    else: parts = trajectory_chunks(rollout, distill_budget(config))
+    if len(parts) == 1:
+        whole = config.distill_max_chars or 2 * len(parts[0]) + 400
+        return await distill(llm, ctx, rollout, None, candidate, config.mode, config.memory_retries, whole)
     ups = [await distill(llm, ctx, p, None, candidate, config.mode, config.memory_retries, 2 * len(p) + 400) for p in parts]
     ok = [u for u in ups if u.ok]
     answer = {'verified_propositions': [x for u in ok for x in u.answer.get('verified_propositions', [])],

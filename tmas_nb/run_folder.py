@@ -20,7 +20,7 @@ __all__ = ['RUN_FILES', 'FINISHED_FILES', 'BANK_COLUMNS', 'IDENTITY_KEYS', 'TMAS
            'write_parquet', 'versions', 'RunConfigMismatch', 'run_config', 'check_run_folder', 'prepare_run_dir',
            'collect_run', 'finish_run', 'write_status', 'read_status', 'judge_columns', 'grading_label',
            'carry_forward', 'pass_at_1_by_iteration', 'tmas_variant', 'run_label', 'best_candidates', 'Run',
-           'banks_frame', 'load_run']
+           'endpoint_of', 'tokens_by_endpoint', 'banks_frame', 'load_run']
 
 # %% ../nbs/24a_run_folder.ipynb #e90ea9e1
 RUN_FILES = ('config.json', 'calls.sqlite', 'checkpoints', 'banks', 'records.parquet', 'banks.parquet',
@@ -235,12 +235,17 @@ def tmas_variant(config: dict) -> str:
     return TMAS_VARIANTS[(bool(c.get('use_experience', True)), bool(c.get('use_guidelines', True)))]
 
 def run_label(config: dict) -> str:
-    "A short name of the run's method and variant, e.g. 'tmas', 'tmas −guideline', 'rse positive', 'mv'."
+    "A short name of the run's method and variant, e.g. 'tmas', 'tmas −guideline', 'rse positive', 'rse dedup=random noise=0.2', 'mv'."
     m, c = config.get('method', '?'), config.get('config') or {}
     if m == 'tmas':
         v = tmas_variant(c)
         return 'tmas' if v == 'full' else f'tmas {v}'
-    if m == 'rse' and c.get('mode', 'both') != 'both': return f"rse {c['mode']}"
+    if m == 'rse':
+        arms = [c['mode']] if c.get('mode', 'both') != 'both' else []
+        arms += [f"dedup={c['dedup']}"] if c.get('dedup', 'semantic') != 'semantic' else []
+        arms += [f"{k}={c[k]}" for k in ('max_positive', 'max_negative') if c.get(k) is not None]
+        arms += [f"noise={c['noise']:g}"] if c.get('noise') else []
+        return ' '.join(['rse', *arms])
     return m
 
 def best_candidates(records):
@@ -290,6 +295,18 @@ class Run:
     def __repr__(self):
         return f"Run({str(self.run_dir)!r}, {self.label!r}, records={len(self.records)}, complete={self.complete})"
 
+def endpoint_of(config: dict, role: str) -> str:
+    "Where a run's calls of `role` went: the role's own endpoint, the run's server, or the model run in-process."
+    ep = (config.get('role_endpoints') or {}).get(role)
+    if ep: return ep['base_url']
+    return config.get('base_url') or f"in-process {config.get('model_id') or config.get('model', '?')}"
+
+def tokens_by_endpoint(config: dict, by_role: dict) -> dict:
+    "{endpoint: {role: completion tokens}} of a run, from its tokens per role and where each role was sent."
+    out: dict = {}
+    for role, d in sorted(by_role.items()): out.setdefault(endpoint_of(config, role), {})[role] = int(d.get('completion_tokens', 0))
+    return out
+
 # %% ../nbs/24a_run_folder.ipynb #10722440
 @patch
 def best(self:Run):
@@ -299,7 +316,7 @@ def best(self:Run):
 # %% ../nbs/24a_run_folder.ipynb #23901c2a
 @patch
 def summary(self:Run) -> dict:
-    "The run's summary: method, problems, Pass@1 per iteration (over the judge columns when judged), completion tokens per role, completeness."
+    "The run's summary: method, problems, Pass@1 per iteration (over the judge columns when judged), completion tokens per role and per endpoint, completeness."
     curve = pass_at_1_by_iteration(self.records)
     judged = 'judges' in curve.columns
     def point(r):
@@ -308,7 +325,7 @@ def summary(self:Run) -> dict:
         return d
     s = {'method': self.method, 'problems': self.n_problems, 'iterations': [point(r) for r in curve.itertuples()],
          'tokens_by_role': {r: int(d.get('completion_tokens', 0)) for r, d in sorted(self.usage.get('by_role', {}).items())},
-         'complete': self.complete}
+         'tokens_by_endpoint': tokens_by_endpoint(self.config, self.usage.get('by_role', {})), 'complete': self.complete}
     if judged: s['grading'] = grading_label(self.judge)
     if self.running is not None: s['running_pid'] = self.running
     return s

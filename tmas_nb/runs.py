@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .core import atomic_write_json, folder_lock
-from .methods import METHODS, MethodConfig, make_method, run_method
+from .llm.roles import RoleRouter
+from .methods import DISTILL_CONTEXT, METHODS, MethodConfig, make_method, run_method
 from .presets import PAPER_TOKEN_BUDGET, PRESETS, PROTOCOLS, OWN_PAPER, JUDGE_HINT, preset_values
 from .settings import ModelSettings, OutputSettings, add_settings, read_json, resolve
 from .run_folder import (
@@ -21,22 +22,27 @@ from .run_folder import (
 # %% auto #0
 __all__ = ['METHOD_ROLES', 'ENDPOINT_ROLES', 'PRESET_HELP', 'record_server', 'resolve_auto_backend', 'check_run_files',
            'RunOptions', 'sampling_by_role', 'run_record', 'start_run', 'model_context_length', 'cap_to_context',
-           'layer_settings', 'protocol_of', 'parse_role_endpoint', 'parse_role_endpoints', 'RunPlan', 'plan_run',
-           'summary_line', 'run_cli', 'summary_cli', 'config_from_args']
+           'layer_settings', 'protocol_of', 'distiller_context', 'parse_role_endpoint', 'parse_role_endpoints',
+           'RunPlan', 'plan_run', 'summary_line', 'run_cli', 'summary_cli', 'config_from_args']
 
 # %% ../nbs/24_runs.ipynb #0be1d591
 def record_server(run_dir, llm) -> dict | None:
-    "Note in `config.json` what the server behind `llm` answered with: model name, token-count source, `n` limit."
+    "Note in `config.json` what the server behind `llm` answered with (model name, token-count source, `n` limit), and what each role's own endpoint answered with."
     from tmas_nb.llm.openai_backend import OpenAIBackend
     inner = getattr(llm, 'backend', llm)
-    if not isinstance(inner, OpenAIBackend): return None
     path = Path(run_dir) / 'config.json'
-    cfg = json.loads(path.read_text(encoding='utf-8'))
-    new = {k: v for k, v in inner.record().items() if v not in (None, {})}
-    cfg['server'] = {**cfg.get('server', {}), **new}
-    if cfg['server'].get('served_model'): cfg['model_id'] = cfg['server']['served_model']
+    cfg = read_json(path)
+    if isinstance(inner, RoleRouter):
+        rec = lambda b: {k: v for k, v in b.record().items() if v not in (None, {})} if isinstance(b, OpenAIBackend) else {}
+        cfg['role_servers'] = {role: {**cfg.get('role_servers', {}).get(role, {}), **rec(b)} for role, b in inner.routes.items()}
+        inner = inner.default
+    if isinstance(inner, OpenAIBackend):
+        new = {k: v for k, v in inner.record().items() if v not in (None, {})}
+        cfg['server'] = {**cfg.get('server', {}), **new}
+        if cfg['server'].get('served_model'): cfg['model_id'] = cfg['server']['served_model']
+    elif 'role_servers' not in cfg: return None
     atomic_write_json(path, cfg)
-    return cfg['server']
+    return cfg.get('server')
 
 # %% ../nbs/24_runs.ipynb #8645a74c
 def resolve_auto_backend(run_dir, model: str, config, concurrency: int, llm_kw: dict) -> tuple[str, dict, dict]:
@@ -134,14 +140,20 @@ async def start_run(method: str, problems, config: MethodConfig | dict | None, r
 
 # %% ../nbs/24_runs.ipynb #86e39451
 def _open_model(run_dir: Path, llm, where: tuple, llm_kw: dict):
-    "The run's model wrapped in its call cache: `llm` when given, else `where` = (model, backend, base_url) loaded."
+    "The run's model wrapped in its call cache: `llm` when given, else `where` = (model, backend, base_url) loaded; with per-role endpoints (config.json's `role_endpoints`), a `RoleRouter` over it."
     from tmas_nb.llm.cache import CachedLLM
     from tmas_nb.llm.core import load_llm
-    if llm is not None: return CachedLLM(llm, run_dir / 'calls.sqlite', close_backend=False)
-    model, backend, base_url = where
-    if backend == 'openai': llm_kw.setdefault('base_url', base_url)
-    name = None if backend == 'openai' and model == 'default' else model   # the server's own model
-    return load_llm(name, backend, cache=str(run_dir / 'calls.sqlite'), lazy=backend == 'transformers', **llm_kw)
+    endpoints, given = read_json(run_dir / 'config.json').get('role_endpoints') or {}, llm is not None
+    if not given:
+        model, backend, base_url = where
+        if backend == 'openai': llm_kw.setdefault('base_url', base_url)
+        name = None if backend == 'openai' and model == 'default' else model   # the server's own model
+        if not endpoints: return load_llm(name, backend, cache=str(run_dir / 'calls.sqlite'), lazy=backend == 'transformers', **llm_kw)
+        llm = load_llm(name, backend, lazy=backend == 'transformers', **llm_kw)
+    elif not endpoints: return CachedLLM(llm, run_dir / 'calls.sqlite', close_backend=False)
+    server_kw = {k: llm_kw[k] for k in ('api_key', 'max_n_per_call') if k in llm_kw}
+    routes = {role: load_llm(ep.get('model'), 'openai', base_url=ep['base_url'], **server_kw) for role, ep in endpoints.items()}
+    return CachedLLM(RoleRouter(llm, routes, close_default=not given), run_dir / 'calls.sqlite')
 
 async def _run_in_folder(m, problems, run_dir: Path, llm, where: tuple, opts: RunOptions, llm_kw: dict) -> Run:
     "`start_run` once the folder is checked: open the model and its cache, mark the run incomplete, run, collect, mark it complete."
@@ -158,7 +170,7 @@ async def _run_in_folder(m, problems, run_dir: Path, llm, where: tuple, opts: Ru
         wall = before.get('wall_s', 0.0) + time.perf_counter() - t0
         engines = engine_stats(cached)   # engines used and any fallback between them
         record_server(run_dir, cached)
-        if llm is None: cached.close()
+        if llm is None or isinstance(cached.backend, RoleRouter): cached.close()
         else: cached.store.close()
     finish_run(run_dir, stats)
     write_status(run_dir, True, wall, invocations=before.get('invocations', 0) + 1, last_invocation_cache=stats,
@@ -218,6 +230,9 @@ def layer_settings(method: str, preset: str | None = None, config_path=None, fla
     if 'max_new_tokens' in values and flags.get('max_new_tokens') is None and settings.get('max_new_tokens') == values['max_new_tokens']:
         settings['max_new_tokens'], note = _capped(values['max_new_tokens'], model, backend, preset)
         notes += [note] if note else []
+    if method == 'rse' and settings.get('distill_context') is None and not settings.get('distill_max_chars'):
+        settings['distill_context'], note = distiller_context(endpoints, model, backend)
+        notes += [note] if note else []
     record = {'preset_sources': sources, 'preset_notes': notes, 'role_endpoints': endpoints}
     if preset: record['protocol'] = protocol_of(preset, method)
     return cls.from_dict(settings, where=f'--method {method} settings'), record
@@ -236,6 +251,14 @@ def protocol_of(preset: str, method: str) -> dict:
     p = OWN_PAPER.get(method, preset) if preset == 'paper' else preset
     if p not in PROTOCOLS: return {}
     return {k: {'value': c.value, 'source': c.source} for k, c in PROTOCOLS[p].items()}
+
+def distiller_context(endpoints: dict, model: str, backend: str) -> tuple[int | None, str | None]:
+    "The context (tokens) of RSE's distiller: its own endpoint's model or the run's; None with a note when it cannot be read."
+    ep = endpoints.get('distillation')
+    name, where = (ep.get('model') or model, 'openai') if ep else (model, backend)
+    ctx = model_context_length(name, where)
+    if ctx is None: return None, f"RSE: the distiller's context is unknown here; its parts are sized for {DISTILL_CONTEXT} tokens (set distill_context in --config)"
+    return ctx, None
 
 # %% ../nbs/24_runs.ipynb #bb9b1f15
 ENDPOINT_ROLES = {'solution': 'solution', 'verification': 'verification', 'summary': 'summary', 'experience': 'experience',
