@@ -61,6 +61,7 @@ def _format_of(path: Path, fmt: str | None) -> str:
     if suffix in ('.csv',): return 'csv'
     raise ValueError(f"{path}: cannot tell the format from the suffix {suffix!r}; pass fmt='jsonl' or fmt='csv'")
 
+# %% ../nbs/17_data.ipynb #ca70a12e
 def load_problems(path, id_col: str | None = 'id', question_col: str = 'question', answer_col: str = 'answer',
                   fmt: str | None = None, benchmark: str | None = None) -> list[Problem]:
     "Problems from a JSONL or CSV file, mapping `id_col`/`question_col`/`answer_col` to `Problem` fields."

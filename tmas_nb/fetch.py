@@ -84,6 +84,7 @@ _AUTOTTS_REFERENCE = {  # file name: (bytes, sha256)
 _NO_LICENCE = ("none stated (the repository has no licence file): downloaded from the authors' repository "
                "on your machine, never redistributed")
 
+# %% ../nbs/18_data_fetch.ipynb #521f0e83
 REGISTRY: dict[str, Dataset] = {d.name: d for d in [
     Dataset('autotts', "AutoTTS replay stores (Qwen3-0.6B/1.7B/4B/8B × aime24/aime25/hmmt25, 30 questions × 128 branches)",
             _NO_LICENCE,
@@ -412,6 +413,7 @@ def _cmd_mirror(args) -> int:
           f"with --mirror")
     return 0
 
+# %% ../nbs/18_data_fetch.ipynb #709095d1
 def fetch_cli(f) -> None:
     "The flags of `tmas data fetch`."
     names = ', '.join([*REGISTRY, 'all'])

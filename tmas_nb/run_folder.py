@@ -295,6 +295,7 @@ class Run:
     def __repr__(self):
         return f"Run({str(self.run_dir)!r}, {self.label!r}, records={len(self.records)}, complete={self.complete})"
 
+# %% ../nbs/24a_run_folder.ipynb #da85a2a7
 def endpoint_of(config: dict, role: str) -> str:
     "Where a run's calls of `role` went: the role's own endpoint, the run's server, or the model run in-process."
     ep = (config.get('role_endpoints') or {}).get(role)
