@@ -192,8 +192,10 @@ def test_paper_preset_is_the_methods_own_and_asks_for_a_baseline(capsys):
     from tmas_nb.cli import main
     c, _ = _print_config('--method', 'tmas', '--preset', 'paper', '--backend', 'openai')
     assert (c['config']['n_candidates'], c['config']['iterations'], c['config']['epsilon']) == (8, 20, 0.2)
+    assert c['protocol']['grading']['value'] == 'LLM judge DeepSeek-V3.2, mean of 4 runs'
     c, _ = _print_config('--method', 'rse', '--preset', 'paper', '--backend', 'openai')
     assert (c['config']['n_candidates'], c['config']['max_new_tokens'], c['protocol']['independent_runs']['value']) == (32, 38_912, 8)
+    assert c['protocol']['grading']['value'] == 'rule-based answer check'
     assert main(['run', '--method', 'pacore', '--benchmark', 'demo', '--preset', 'paper', '--print-config']) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and 'tmas-paper' in err[0] and 'rse-paper' in err[0]
@@ -297,3 +299,17 @@ def test_rse_ablations_are_settings(tmp_path):
     noisy, n_noisy = _round1_system(tmp_path, 'noise', noise=1.0)
     assert n_noisy == n_sem and 'the sum of the roots is 4' not in noisy
     assert any(t in noisy for t in IRRELEVANT_ITEMS['propositions'])
+
+
+def test_the_summary_line_says_how_the_numbers_were_graded():
+    from types import SimpleNamespace
+    from tmas_nb.runs import layer_settings, summary_line
+    s = {'problems': 2, 'iterations': [{'iteration': 0, 'pass_at_1': 0.5}]}
+    for preset, expected in [('tmas-paper', 'rule-graded (the paper: LLM judge DeepSeek-V3.2, mean of 4 runs; grade as the paper: '
+                                            'tmas judge RUN_DIR --judge URL_OR_MODEL --repeats 4)'),
+                             ('rse-paper', 'rule-graded, as the paper;')]:
+        _, rec = layer_settings('tmas' if preset == 'tmas-paper' else 'rse', preset, backend='openai')
+        run = SimpleNamespace(method='x', run_dir='r', status={}, config={'protocol': rec['protocol']})
+        assert expected in summary_line(s, run)
+    judged = summary_line({**s, 'grading': 'LLM judge m, mean of 4 runs'}, SimpleNamespace(method='x', run_dir='r', status={}, config={'protocol': rec['protocol']}))
+    assert 'LLM judge m, mean of 4 runs;' in judged and 'grade as the paper' not in judged

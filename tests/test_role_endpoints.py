@@ -27,7 +27,7 @@ def test_rse_paper_with_solutions_and_distiller_on_two_servers(two_servers, tmp_
             '--iterations', '2', '--max-new-tokens', '12', '--backend', 'openai', '--base-url', a.url, '--model', 'solver',
             '--role-endpoint', f'distiller={b.url},distiller', '--quiet', '--out', str(out)]
     with contextlib.redirect_stderr(io.StringIO()) as err: assert main(argv) == 0, err.getvalue()
-    assert 'rule-graded (the paper: LLM judge DeepSeek-V3.2, mean of 4 runs; grade as the paper: tmas judge' in err.getvalue()
+    assert 'rule-graded, as the paper;' in err.getvalue()          # RSE checks answers by rule (TMAS: by an LLM judge)
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf): assert main(['runs', 'summary', str(out), '--json']) == 0
     s = json.loads(buf.getvalue())

@@ -101,8 +101,8 @@ PROTOCOLS = {
                    'grading': Cited('LLM judge DeepSeek-V3.2, mean of 4 runs',
                                     'TMAS §4 Metrics: 4 independent DeepSeek-V3.2 judgements per solution')},
     'rse-paper': {'independent_runs': Cited(8, _R41 + ': 8 independent runs, Pass@1 averaged'),
-                  'grading': Cited('LLM judge DeepSeek-V3.2, mean of 4 runs',
-                                   'the papers\' metric (TMAS §4 Metrics); RSE reports Pass@1 of the new rollouts (§4.1)')},
+                  'grading': Cited('rule-based answer check',
+                                   "RSE §4.1 reports Pass@1 of the new rollouts and names no judge; its release's eval/ checks answers with a math grader")},
 }
 "What a paper's protocol fixes beyond one run's settings."
 

@@ -348,7 +348,8 @@ def summary_line(s: dict, run) -> str:
     cache = run.status.get('last_invocation_cache', {})
     grading = s.get('grading') or 'rule-graded'
     paper = (run.config.get('protocol') or {}).get('grading', {}).get('value')
-    if paper and 'grading' not in s: grading += f" (the paper: {paper}; {JUDGE_HINT})"
+    if paper and 'judge' in paper and 'grading' not in s: grading += f" (the paper: {paper}; {JUDGE_HINT})"
+    elif paper and 'grading' not in s: grading += ', as the paper'
     return (f"{run.method} on {s['problems']} problems -> {run.run_dir}; pass@1 by iteration {{{curve}}}, {grading}; "
             f"call cache this time: {cache.get('hits', 0)} hits, {cache.get('misses', 0)} misses")
 
