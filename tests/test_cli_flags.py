@@ -19,7 +19,7 @@ FLAGS = {
     '--model': ('the model: a packaged name, a folder, or the served name with --base-url (replay: whose traces)', MODEL_CMDS),
     '--backend': ('where the model runs: auto, transformers, llama.cpp or openai', {'rl teacher', 'run', 'serve'}),
     '--base-url': ('URL of an OpenAI-compatible server that answers the model calls', {'discover', 'replay build', 'rl teacher', 'run'}),
-    '--api-key': ('the API key of that server (for serve: the key it requires)', {'discover', 'replay build', 'serve'}),
+    '--api-key': ('the API key of that server (for serve: the key it requires)', {'discover', 'replay build', 'run', 'serve'}),
     '--served-model': ("the model's name on the server", {'data hard-subset', 'judge', 'serve'}),
     '--threads': ('CPU threads of a model run here', {'data hard-subset', 'discover', 'engines calibrate', 'engines show',
                                                       'judge', 'replay build', 'rl teacher', 'rl train', 'run', 'serve'}),
@@ -72,6 +72,8 @@ FLAGS = {
     '--copy': ('copy instead of linking', {'data mirror'}),
     # methods and runs
     '--method': ('the method', {'run'}), '--preset': ("a paper's settings", {'run'}),
+    '--print-config': ('print the resolved configuration and exit', {'run'}),
+    '--role-endpoint': ("one agent role's own server and model", {'run'}),
     '--config': ('a JSON file of settings (or a preset name)', {'rl train', 'run'}),
     '--n-candidates': ('N', {'rl teacher', 'run'}), '--n-verifications': ('M', {'rl teacher', 'run'}),
     '--iterations': ('T', {'rl teacher', 'run'}),

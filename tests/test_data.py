@@ -4,7 +4,8 @@ import asyncio, collections, json
 import pytest
 
 from tmas_nb.data import (Problem, ProblemFileError, load_problems, load_imo_answerbench, load_hmmt, load_jsonl_problems,
-                          load_benchmark, demo_problems, DEMO_PROBLEMS, first_k, stratified, hard_subset, count_solves, BENCHMARKS)
+                          load_benchmark, demo_problems, DEMO_PROBLEMS, first_k, stratified, hard_subset, BENCHMARKS)
+from tmas_nb.hard_subset import count_solves
 from tmas_nb.grading import answer_kind, grade, shutdown_pool
 
 
@@ -161,3 +162,12 @@ def test_count_solves_with_a_real_small_model():
     finally: llm.close()
     assert sorted(c) == ['demo-01', 'demo-02'] and all(0 <= v <= 2 for v in c.values())
     assert llm.usage.by_role['solution']['samples'] == 4
+
+
+def test_hle_math_100_loads_by_name_and_the_tmas_input_format_as_a_file(tmp_path):
+    hle = load_benchmark('hle_math_100')
+    assert len(hle) == 100 and len({p.id for p in hle}) == 100 and all(p.answer for p in hle)
+    assert hle[0].meta['benchmark'] == 'hle_math_100' and 'hle_raw_id' in hle[0].meta
+    f = tmp_path / 'problems.jsonl'
+    f.write_text('{"problem_id": "p-1", "question": "What is 2+2?", "answer": "4"}\n{"problem_id": "p-2", "question": "3*3?", "answer": "9"}\n')
+    assert [(p.id, p.answer) for p in load_benchmark(str(f))] == [('p-1', '4'), ('p-2', '9')]

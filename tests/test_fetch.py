@@ -55,18 +55,20 @@ def test_clean_fetch_then_refetch_downloads_nothing(mirror, data_root, tmp_path)
     with Server(mirror, tmp_path / 'log') as s:
         res = fetch(['all'], dest, s.url, downloader=QUIET)
         assert res == {'autotts': {f.path: 'downloaded' for f in REGISTRY['autotts'].files},
-                       'imo-answerbench': {'benchmarks/imo_answerbench_v2.csv': 'downloaded'}}
-        assert len(s.requests()) == 13
+                       'imo-answerbench': {'benchmarks/imo_answerbench_v2.csv': 'downloaded'},
+                       'hle_math_100': {'benchmarks/hle_math_100.jsonl': 'downloaded'}}
+        assert len(s.requests()) == 14
+        assert s.requests()[-1].split()[1] == '/WangXinglin/RSE/d36f7e1/data/HLE_MATH_text_100_sample_subset.jsonl'
         for name in res:
             for f in REGISTRY[name].files:
                 assert (dest / f.path).read_bytes() == (data_root / f.path).read_bytes()
         assert not [p for p in files_under(dest) if p.endswith('.part')]
         again = fetch(['autotts', 'imo-answerbench'], dest, s.url, downloader=QUIET)
         assert {v for files in again.values() for v in files.values()} == {'present'}
-        assert len(s.requests()) == 13                      # nothing asked of the server
+        assert len(s.requests()) == 14                      # nothing asked of the server
     status = {r['name']: r['status'] for r in list_datasets(dest)}
     assert status == {'autotts': 'verified', 'imo-answerbench': 'verified', 'hmmt24': 'missing', 'hmmt25': 'missing',
-                      'autotts-reference': 'missing'}
+                      'hle_math_100': 'verified', 'autotts-reference': 'missing'}
 
 
 def test_corrupted_file_is_refused_and_nothing_is_left(data_root, tmp_path, capsys):

@@ -197,7 +197,7 @@ def test_summary_json_contract(tmp_path):
                           model='scripted', llm=ScriptedLLM({**REPLIES, 'solution': solution}), benchmark='demo',
                           progress=False))
     s = summary_json(tmp_path / 's')
-    assert list(s) == ['method', 'problems', 'iterations', 'tokens_by_role', 'complete']
+    assert list(s) == ['method', 'problems', 'iterations', 'tokens_by_role', 'tokens_by_endpoint', 'complete']
     assert s['method'] == 'sampling' and s['problems'] == 2 and s['complete'] is True
     assert s['iterations'] == [{'iteration': 0, 'pass_at_1': 0.5, 'candidates': 8},
                                {'iteration': 1, 'pass_at_1': 0.5, 'candidates': 8}]

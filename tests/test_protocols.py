@@ -121,15 +121,110 @@ def test_paradox_delta_is_never_minus_ever():
 
 # ------------------------------------------------------------------ presets and problem-id lists
 
-def test_presets_set_the_papers_settings_and_flags_override_them():
-    from tmas_nb.runs import config_from_args
-    args = argparse.Namespace(preset='paper', config=None, n_candidates=None, iterations=None, max_new_tokens=None)
-    c = config_from_args('tmas', args)
-    assert (c.n_candidates, c.n_verifications, c.iterations, c.epsilon) == (8, 8, 20, 0.2)
-    r = config_from_args('rse', args)
-    assert (r.n_candidates, r.iterations, r.temperature, r.top_p, r.top_k, r.max_new_tokens) == (32, 4, 0.6, 0.95, 20, 38_000)
-    args.n_candidates = 3
-    assert config_from_args('rse', args).n_candidates == 3
+def _print_config(*argv):
+    "The JSON `tmas run ... --print-config` prints, and its stderr."
+    import contextlib, io
+    from tmas_nb.cli import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        assert main(['run', '--benchmark', 'demo', '--limit', '1', *argv, '--print-config']) == 0, err.getvalue()
+    return json.loads(out.getvalue()), err.getvalue()
+
+
+# The papers' comparison settings, written out here from the papers (not read from tmas_nb.presets), one cell per value.
+_T = dict(temperature=1.0, top_p=0.95, max_new_tokens=128_000)            # TMAS §4 inference config
+_R = dict(temperature=0.6, top_p=0.95, top_k=20, max_new_tokens=38_912)   # RSE App. B.1 Qwen3-Thinking row, run.sh
+_ROLES = {'summary': {'temperature': 0.6}, 'experience': {'temperature': 0.6}, 'guideline': {'temperature': 0.6}}
+PAPERS = {
+    'tmas-paper': {
+        'tmas': dict(n_candidates=8, n_verifications=8, iterations=20, epsilon=0.2, role_sampling=_ROLES, **_T),
+        'mv': dict(n_candidates=64, **_T), 'self-refine': dict(n_candidates=8, iterations=20, **_T),
+        'verify-refine': dict(n_candidates=8, iterations=20, n_verifications=1, **_T),
+        'pacore': dict(n_candidates=8, iterations=20, **_T), 'rse': dict(n_candidates=8, iterations=20, **_T),
+        'sampling': dict(n_candidates=8, iterations=1, **_T)},
+    'rse-paper': {
+        'rse': dict(n_candidates=32, iterations=4, dedup_threshold=0.8, embedder='minilm', **_R),
+        'mv': dict(n_candidates=128, **_R), 'sampling': dict(n_candidates=1024, iterations=1, **_R),
+        'self-refine': dict(n_candidates=32, iterations=4, **_R),
+        'pacore': dict(n_candidates=32, iterations=4, max_references=32, **_R),
+        'tmas': dict(n_candidates=32, iterations=4, frame=None, **_R),
+        'verify-refine': dict(n_candidates=32, iterations=4, frame=None, **_R)},
+}
+CELLS = [pytest.param(p, m, k, v, id=f'{p}-{m}-{k}') for p, ms in PAPERS.items() for m, d in ms.items() for k, v in d.items()]
+
+
+def test_the_preset_table_has_exactly_these_cells():
+    from tmas_nb.presets import preset_table
+    t = preset_table('Qwen3-30B-A3B-Thinking-2507')
+    assert sorted(zip(t.preset, t.method, t.setting)) == sorted((p, m, k) for p, ms in PAPERS.items() for m, d in ms.items() for k in d)
+    assert (t.source.str.len() > 10).all()
+
+
+@pytest.mark.parametrize('preset,method,setting,value', CELLS)
+def test_print_config_gives_each_preset_cell(preset, method, setting, value):
+    "One test per cell of the preset table: `--print-config` resolves the paper's value and cites its source."
+    c, err = _print_config('--method', method, '--preset', preset, '--model', 'Qwen3-30B-A3B-Thinking-2507', '--backend', 'openai')
+    assert c['preset'] == preset
+    if setting == 'role_sampling':
+        for role, over in value.items(): assert c['sampling_by_role'][role]['temperature'] == over['temperature']
+        assert c['sampling_by_role']['solution']['temperature'] == 1.0
+    elif setting == 'frame':
+        assert value is None and any('same multi-round frame' in n for n in c['preset_notes'])
+    else:
+        assert c['config'][setting] == value and len(c['preset_sources'][setting]) > 10
+
+
+@pytest.mark.parametrize('model,row', [('Qwen3-4B-Thinking-2507', (0.6, 0.95, 20, 38_912)),
+                                       ('Qwen3-4B-Instruct-2507', (0.7, 0.8, 20, 38_912)),
+                                       ('microsoft/Phi-4-reasoning', (0.8, 0.95, 50, 32_768)),
+                                       ('deepseek-v3.2', (1.0, 0.95, None, 65_536)),
+                                       ('some-other-model', (0.6, 0.95, 20, 38_912))])
+def test_rse_sampling_row_follows_the_model(model, row):
+    c, err = _print_config('--method', 'rse', '--preset', 'rse-paper', '--model', model, '--backend', 'openai')
+    got = c['config']
+    assert (got['temperature'], got['top_p'], got['top_k'], got['max_new_tokens']) == row
+    unknown = [n for n in c['preset_notes'] if 'gives no sampling' in n]
+    assert (len(unknown) == 1) == (model == 'some-other-model')
+    if unknown: assert unknown[0] in err and 'Qwen3-Thinking row' in unknown[0]
+
+
+def test_paper_preset_is_the_methods_own_and_asks_for_a_baseline(capsys):
+    from tmas_nb.cli import main
+    c, _ = _print_config('--method', 'tmas', '--preset', 'paper', '--backend', 'openai')
+    assert (c['config']['n_candidates'], c['config']['iterations'], c['config']['epsilon']) == (8, 20, 0.2)
+    assert c['protocol']['grading']['value'] == 'LLM judge DeepSeek-V3.2, mean of 4 runs'
+    c, _ = _print_config('--method', 'rse', '--preset', 'paper', '--backend', 'openai')
+    assert (c['config']['n_candidates'], c['config']['max_new_tokens'], c['protocol']['independent_runs']['value']) == (32, 38_912, 8)
+    assert c['protocol']['grading']['value'] == 'rule-based answer check'
+    assert main(['run', '--method', 'pacore', '--benchmark', 'demo', '--preset', 'paper', '--print-config']) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and 'tmas-paper' in err[0] and 'rse-paper' in err[0]
+
+
+def test_flags_and_config_layer_over_the_preset(tmp_path):
+    f = tmp_path / 'c.json'
+    f.write_text(json.dumps({'iterations': 2, 'top_k': 5, 'role_endpoints': {'verification': 'http://127.0.0.1:9/v1'}}))
+    c, _ = _print_config('--method', 'tmas', '--preset', 'tmas-paper', '--config', str(f), '--top-k', '7', '--backend', 'openai')
+    assert (c['config']['n_candidates'], c['config']['iterations'], c['config']['top_k']) == (8, 2, 7)
+    assert c['role_endpoints'] == {'verification': {'base_url': 'http://127.0.0.1:9/v1', 'model': None}}
+    c, err = _print_config('--method', 'tmas', '--preset', 'tmas-paper')   # the packaged model's context caps 128K
+    assert c['config']['max_new_tokens'] < 128_000 and 'capped' in err
+
+
+def test_print_config_is_what_config_json_records(tmp_path):
+    "The JSON of --print-config and the config.json the same command writes agree (but for when it started)."
+    from tmas_nb.cli import build_parser
+    from tmas_nb.runs import plan_run, start_run
+    from helpers import REPLIES, ScriptedLLM
+    argv = ['run', '--method', 'rse', '--benchmark', 'demo', '--limit', '1', '--preset', 'cpu-demo', '--iterations', '2',
+            '--backend', 'transformers']
+    printed, _ = _print_config(*argv[1:])
+    plan = plan_run(build_parser().parse_args(argv + ['--quiet']))
+    run = asyncio.run(start_run(plan.method, plan.problems, plan.config, tmp_path / 'r', model='default', backend='transformers',
+                                llm=ScriptedLLM(REPLIES), options=plan.options))
+    written = json.loads((tmp_path / 'r' / 'config.json').read_text())
+    assert {k: v for k, v in written.items() if k not in ('started', 'quantize')} == printed
+    assert run.complete
 
 
 def test_run_help_prints_the_presets():
@@ -147,3 +242,74 @@ def test_problem_id_list_selects_problems(tmp_path):
     assert [p.id for p in select_problems(demo_problems(), read_problem_ids(f))] == ['demo-01', 'demo-03']
     with pytest.raises(ValueError, match='demo-99'):
         select_problems(demo_problems(), ['demo-99'])
+
+
+# ------------------------------------------------------------------ RSE: the whole trajectory, and the ablations as settings
+
+def test_rse_distils_a_trajectory_longer_than_the_packaged_models_context():
+    "Every part of a ~60K-token trajectory reaches the distiller, in order, each prompt within the packaged model's context."
+    from transformers import AutoTokenizer
+    from tmas_nb.llm.models import resolve_model
+    from tmas_nb.runs import model_context_length
+    from tmas_nb.methods import distill_whole
+    context = model_context_length('default')
+    tok = AutoTokenizer.from_pretrained(resolve_model('default'))
+    reasoning = ''.join(f'line {i}: the running total is now {7 * i} after adding seven.\n' for i in range(3200))
+    long = Completion.from_raw('<think>' + reasoning + '</think>So the answer is \\boxed{42}.')
+    assert len(tok(long.raw)['input_ids']) > context
+    seen = []
+    def distiller(req, k):
+        seen.append(req.messages[-1]['content'])
+        return json.dumps({'verified_propositions': [f'fact from part {k + 1}'], 'critical_pitfalls': []})
+    llm = ScriptedLLM({**REPLIES, 'distillation': distiller})
+    cfg = RSEConfig(n_candidates=1, iterations=2, embedder='hashing', max_new_tokens=1024, distill_context=context)
+    u = asyncio.run(distill_whole(llm, AgentContext(cfg.sampling(), 'p', 'Add sevens.', 0), long, 0, cfg))
+    assert len(seen) > 1 and u.ok and u.answer['parts'] == len(seen)
+    assert 'line 0:' in seen[0] and 'line 3199:' in seen[-1] and '\\boxed{42}' in seen[-1]
+    firsts = [int(p.split('line ', 1)[1].split(':')[0]) for p in seen]   # the first line of each part
+    assert firsts == sorted(firsts)
+    for p in seen: assert len(tok(p)['input_ids']) + 1024 <= context
+    assert u.answer['verified_propositions'] == [f'fact from part {i}' for i in range(1, len(seen) + 1)]
+    bank = RSEBank(embedder=HashingEmbedder())
+    from tmas_nb.agents import apply_distillation
+    assert apply_distillation(bank, u.answer, 'both', 0) >= 1
+
+
+def _round1_system(tmp_path, name, **kw):
+    "The system prompt of RSE's second round after one round whose rollouts distil into near-duplicates."
+    items = [['the sum of the roots is 4', 'the product of the roots is 3'],
+             ['the sum of the two roots is 4', 'the product of both roots is 3'], ['the sum of roots is 4']]
+    reply = lambda req, k: json.dumps({'verified_propositions': items[k % 3], 'critical_pitfalls': ['do not divide by zero']})
+    llm = ScriptedLLM({'solution': '\\boxed{42}', 'distillation': reply})
+    cfg = RSEConfig(n_candidates=3, iterations=2, embedder='hashing', max_new_tokens=16, **kw)
+    asyncio.run(run_method('rse', demo_problems()[:1], llm, cfg, tmp_path / name, progress=False))
+    rec = json.loads(next((tmp_path / name / 'checkpoints').rglob('iter_1.json')).read_text())
+    return llm.by_role('solution')[-1].messages[0]['content'], rec['state']['prompt_items']
+
+
+def test_rse_ablations_are_settings(tmp_path):
+    from tmas_nb.methods import IRRELEVANT_ITEMS
+    sem, n_sem = _round1_system(tmp_path, 'semantic')
+    rnd, n_rnd = _round1_system(tmp_path, 'random', dedup='random')
+    raw, n_raw = _round1_system(tmp_path, 'none', dedup='none')
+    assert n_rnd == n_sem and n_raw['propositions'] == 5 and n_raw['pitfalls'] == 3 and n_sem['propositions'] < 5
+    assert raw.count('do not divide by zero') == 3 and sem.count('do not divide by zero') == 1
+    capped, n_cap = _round1_system(tmp_path, 'cap', dedup='none', max_positive=2, max_negative=1)
+    assert n_cap == {'propositions': 2, 'pitfalls': 1}
+    noisy, n_noisy = _round1_system(tmp_path, 'noise', noise=1.0)
+    assert n_noisy == n_sem and 'the sum of the roots is 4' not in noisy
+    assert any(t in noisy for t in IRRELEVANT_ITEMS['propositions'])
+
+
+def test_the_summary_line_says_how_the_numbers_were_graded():
+    from types import SimpleNamespace
+    from tmas_nb.runs import layer_settings, summary_line
+    s = {'problems': 2, 'iterations': [{'iteration': 0, 'pass_at_1': 0.5}]}
+    for preset, expected in [('tmas-paper', 'rule-graded (the paper: LLM judge DeepSeek-V3.2, mean of 4 runs; grade as the paper: '
+                                            'tmas judge RUN_DIR --judge URL_OR_MODEL --repeats 4)'),
+                             ('rse-paper', 'rule-graded, as the paper;')]:
+        _, rec = layer_settings('tmas' if preset == 'tmas-paper' else 'rse', preset, backend='openai')
+        run = SimpleNamespace(method='x', run_dir='r', status={}, config={'protocol': rec['protocol']})
+        assert expected in summary_line(s, run)
+    judged = summary_line({**s, 'grading': 'LLM judge m, mean of 4 runs'}, SimpleNamespace(method='x', run_dir='r', status={}, config={'protocol': rec['protocol']}))
+    assert 'LLM judge m, mean of 4 runs;' in judged and 'grade as the paper' not in judged

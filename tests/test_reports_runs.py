@@ -96,9 +96,11 @@ def test_tmas_iterations_report(recorded_runs, summaries, tmp_path):
     assert s['runs'] == 4 and 'small model' in s['note']
     _png(d / 'pass_at_1_curves.png')
     paper = pd.read_csv(d / 'paper_comparison.csv')     # the published figures are printed, none matches the demo set
-    assert len(paper) == 18 and paper.ours.isna().all() and (paper.setting_differs == 'no run of ours on this benchmark').all()
+    assert len(paper) == 140 and paper.ours.isna().all() and (paper.setting_differs == 'no run of ours on this benchmark').all()
+    assert set(paper.source) == {'TMAS Table 1', 'TMAS §5.2'} and (paper.comparable == 'no run of ours').all()
+    assert paper.paper_grading.str.contains('LLM judge DeepSeek-V3.2').all()
     top = paper[(paper.benchmark == 'imo_answerbench') & (paper.label == 'tmas') & (paper.model == 'Qwen3-30B-A3B-Thinking-2507')]
-    assert top.paper.tolist() == [40.5]
+    assert top.paper.tolist() == [22.06, 28.56, 36.5, 37.81, 39.31, 40.5]      # TMAS Table 1 in full: It1/3/9/11/17/19
 
 
 def test_tmas_ablation_report(recorded_runs, summaries, tmp_path):
@@ -142,6 +144,12 @@ def test_rse_tables_report(recorded_runs, summaries, tmp_path):
     assert 'at least 2' in sig.note[0]     # one seed each: no p-value, said plainly
     tau = pd.read_csv(d / 'pass_at_1_vs_tau.csv')
     assert _finite(tau, ['tau', 'final_pass_at_1'])
+    arms = pd.read_csv(d / 'rse_arms.csv')                 # each RSE arm of the folders, with its settings
+    assert list(arms.label) == ['rse'] and arms.dedup.tolist() == ['semantic'] and json.loads((d / 'summary.json').read_text())['rse_arms'] == ['rse']
+    published = pd.read_csv(d / 'paper_ablation_arms.csv')
+    assert set(published.source) == {'RSE Table 9', 'RSE Table 10', 'RSE Table 20'} and published.ours.isna().all()
+    t1 = pd.read_csv(d / 'paper_table1.csv')
+    assert set(t1.model) == {'Qwen3-30B-A3B-Thinking-2507', 'Qwen3-4B-Thinking-2507', 'Phi-4-reasoning'} and len(t1) == 3 * (2 * 4 + 3 * 16)
     _png(d / 'rse_rounds.png')
 
 

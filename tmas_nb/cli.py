@@ -48,7 +48,7 @@ COMMANDS = {   # command: (module:function that adds its flags, help, descriptio
             'checkpoints and call cache.'),
     'runs summary': ('tmas_nb.runs:summary_cli', 'pass@1 per iteration, tokens per role and completeness of a run',
                      'Print the summary of a run folder; with --json exactly one JSON object with the keys method, problems, '
-                     'iterations, tokens_by_role, complete.'),
+                     'iterations, tokens_by_role, tokens_by_endpoint, complete.'),
     'report': ('tmas_nb.reporting:report_cli', 'regenerate a report notebook (papermill) into an output folder',
                'Run reports/NAME.ipynb (or all of them) with papermill; outputs go to OUT/NAME/.'),
     'rl data': ('tmas_nb.rl:data_cli', 'training rows (Parquet) from finished TMAS runs, or the toy task',
@@ -73,7 +73,7 @@ COMMANDS = {   # command: (module:function that adds its flags, help, descriptio
                     'Lay out the verified files of a data folder as <OUT>/<owner>/<repo>/<commit>/<path> (symlinks unless '
                     '--copy); serve OUT with any static web server, e.g. `python -m http.server -d OUT`, and fetch elsewhere '
                     'with `tmas data fetch NAME --mirror http://HOST:PORT`.'),
-    'data hard-subset': ('tmas_nb.data:hard_subset_cli', "build a hard subset (TMAS's IMO-AnswerBench-50) as a problem-id list",
+    'data hard-subset': ('tmas_nb.hard_subset:hard_subset_cli', "build a hard subset (TMAS's IMO-AnswerBench-50) as a problem-id list",
                          'Sample --samples solutions per problem from a reference model, keep the problems with fewer than '
                          '--threshold correct, pick --k of them with --seed, and write their ids (one per line, with how they '
                          'were chosen) to --out.'),

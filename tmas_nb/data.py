@@ -12,10 +12,10 @@ from .core import data_dir as _data_dir, fetch_hint
 from .grading import clean_answer
 
 # %% auto #0
-__all__ = ['IMO_COLUMNS', 'JSONL_BENCHMARKS', 'DEMO_PROBLEMS', 'BENCHMARKS', 'SOLVE_PROMPT', 'Problem', 'ProblemFileError',
-           'load_problems', 'load_imo_answerbench', 'load_jsonl_problems', 'load_hmmt', 'demo_problems',
-           'load_benchmark', 'first_k', 'stratified', 'hard_subset', 'count_solves', 'write_problem_ids',
-           'read_problem_ids', 'select_problems', 'pick_subset', 'build_hard_subset', 'hard_subset_cli']
+__all__ = ['IMO_COLUMNS', 'JSONL_BENCHMARKS', 'JSONL_ID_FIELDS', 'DEMO_PROBLEMS', 'BENCHMARKS', 'SOLVE_PROMPT', 'Problem',
+           'ProblemFileError', 'load_problems', 'load_imo_answerbench', 'load_jsonl_problems', 'load_hmmt',
+           'demo_problems', 'load_benchmark', 'first_k', 'stratified', 'hard_subset', 'write_problem_ids',
+           'read_problem_ids', 'select_problems', 'pick_subset']
 
 # %% ../nbs/17_data.ipynb #94cb3c9a
 @dataclass(frozen=True)
@@ -61,6 +61,7 @@ def _format_of(path: Path, fmt: str | None) -> str:
     if suffix in ('.csv',): return 'csv'
     raise ValueError(f"{path}: cannot tell the format from the suffix {suffix!r}; pass fmt='jsonl' or fmt='csv'")
 
+# %% ../nbs/17_data.ipynb #ca70a12e
 def load_problems(path, id_col: str | None = 'id', question_col: str = 'question', answer_col: str = 'answer',
                   fmt: str | None = None, benchmark: str | None = None) -> list[Problem]:
     "Problems from a JSONL or CSV file, mapping `id_col`/`question_col`/`answer_col` to `Problem` fields."
@@ -103,10 +104,16 @@ def load_imo_answerbench(path=None) -> list[Problem]:
     if missing: raise ProblemFileError(f"{path}: header lacks the column(s) {missing}; IMO-AnswerBench v2 has {list(IMO_COLUMNS)} (got {header})")
     return load_problems(path, id_col='Problem ID', question_col='Problem', answer_col='Short Answer', fmt='csv', benchmark='imo_answerbench')
 
+JSONL_ID_FIELDS = ('question_id', 'problem_id', 'id')
+"The id field of a JSONL benchmark, by preference: HMMT and HLE-Math-100 (`question_id`), the TMAS authors' input (`problem_id`), others (`id`)."
+
 def load_jsonl_problems(path, benchmark: str | None = None) -> list[Problem]:
-    "Problems from a JSONL file in the `question_id, question, answer` layout (HMMT, HLE-Math-100)."
+    "Problems from a JSONL file of `question` and `answer` with an id in `question_id`, `problem_id` or `id` (the first the first row has)."
     path = Path(path).expanduser()
-    return load_problems(path, id_col='question_id', question_col='question', answer_col='answer', fmt='jsonl',
+    if not path.is_file(): raise FileNotFoundError(f"{path}: no such file")
+    first = next((d for _, d in _rows(path, 'jsonl')), {})
+    id_col = next((k for k in JSONL_ID_FIELDS if k in first), 'question_id')   # none: load_problems names the missing field
+    return load_problems(path, id_col=id_col, question_col='question', answer_col='answer', fmt='jsonl',
                          benchmark=benchmark or path.stem)
 
 def load_hmmt(path_or_name='hmmt25', data_dir=None) -> list[Problem]:
@@ -214,32 +221,7 @@ def hard_subset(problems, solve_counts: dict, threshold: int = 2) -> list[Proble
 
 # %% ../nbs/17_data.ipynb #120fd644
 SOLVE_PROMPT = "{question}\n\nSolve the problem step by step, then give the final answer in the form \\boxed{{answer}}."
-
-async def count_solves(llm, problems, samples: int = 8, prompt: str = SOLVE_PROMPT, temperature: float = 0.7,
-                       max_new_tokens: int = 1024, batch_size: int = 8, progress: bool = True, **request_kw) -> dict[str, int]:
-    "How many of `samples` sampled solutions of each problem are correct: `{problem id: count}`."
-    from tmas_nb.llm.core import Request
-    from tmas_nb.grading import grade_many
-    problems = list(problems)
-    counts: dict[str, int] = {}
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-        bar = tqdm(total=len(problems), desc='counting solves', unit='problem')
-    for start in range(0, len(problems), batch_size):
-        chunk = problems[start:start + batch_size]
-        reqs = [Request.from_prompt(prompt.format(question=p.question), role='solution', n=samples,
-                                    temperature=temperature, max_new_tokens=max_new_tokens, **request_kw) for p in chunk]
-        outs = await llm.generate(reqs)
-        texts, golds, frs, owners = [], [], [], []
-        for p, cs in zip(chunk, outs):
-            for c in cs: texts.append(c.text); golds.append(p.answer); frs.append(c.finish_reason); owners.append(p.id)
-        ok = grade_many(texts, golds, frs, progress=False)
-        for p in chunk: counts[p.id] = 0
-        for pid, good in zip(owners, ok): counts[pid] += int(good)
-        if bar is not None: bar.update(len(chunk))
-    if bar is not None: bar.close()
-    return counts
+"The plain solving prompt (counting solves for a hard subset, building replay stores)."
 
 # %% ../nbs/17_data.ipynb #c3383959
 def write_problem_ids(path, ids, info: dict | None = None) -> Path:
@@ -273,59 +255,3 @@ def pick_subset(problems, k: int, seed: int) -> list[Problem]:
     keep = set(random.Random(seed).sample(range(len(problems)), k))
     return [p for i, p in enumerate(problems) if i in keep]
 
-async def build_hard_subset(llm, problems, samples: int = 8, threshold: int = 2, k: int = 50, seed: int = 0,
-                            progress: bool = True, **sample_kw) -> tuple[list[str], dict]:
-    "(ids of the hard subset, its record): solve counts of `samples` per problem, those below `threshold`, `k` of them by `seed`."
-    problems = list(problems)
-    counts = await count_solves(llm, problems, samples=samples, progress=progress, seed=seed, **sample_kw)
-    pool = hard_subset(problems, counts, threshold)
-    chosen = pick_subset(pool, k, seed)
-    info = {'samples': samples, 'threshold': threshold, 'k': k, 'seed': seed, 'problems': len(problems),
-            'hard_pool': len(pool), 'chosen': len(chosen), 'solve_counts': counts}
-    return [p.id for p in chosen], info
-
-# %% ../nbs/17_data.ipynb #f9876aa1
-def _cmd_hard_subset(args) -> int:
-    import sys
-    from tmas_nb.llm.core import load_llm, run_sync
-    os.environ.setdefault('HF_HUB_OFFLINE', '1')
-    problems = load_benchmark(args.benchmark)
-    if args.limit is not None: problems = first_k(problems, args.limit)
-    out = Path(args.out)
-    backend = 'openai' if args.model.startswith(('http://', 'https://')) else 'transformers'
-    kw = {'base_url': args.model} if backend == 'openai' else ({'num_threads': args.threads} if args.threads else {})
-    llm = load_llm(args.served_model if backend == 'openai' else args.model, backend,
-                   cache=str(out.with_name(out.name + '.calls.sqlite')), lazy=True, **kw)
-    try:
-        ids, info = run_sync(build_hard_subset(llm, problems, args.samples, args.threshold, args.k, args.seed,
-                                               progress=not args.quiet, temperature=args.temperature, top_p=args.top_p,
-                                               top_k=args.top_k, max_new_tokens=args.max_new_tokens))
-    finally: llm.close() if hasattr(llm, 'close') else None
-    counts = info.pop('solve_counts')
-    write_problem_ids(out, ids, {'made by': 'tmas data hard-subset', 'benchmark': args.benchmark, 'model': args.model, **info,
-                                 'temperature': args.temperature, 'top_p': args.top_p, 'top_k': args.top_k,
-                                 'max_new_tokens': args.max_new_tokens})
-    from tmas_nb.core import atomic_write_json
-    atomic_write_json(out.with_name(out.name + '.counts.json'), counts)
-    print(f"{len(ids)} of {info['hard_pool']} hard problems (fewer than {args.threshold} of {args.samples} correct) "
-          f"among {info['problems']} -> {out}; use it with `tmas run --problem-ids {out}`", file=sys.stderr)
-    return 0
-
-def hard_subset_cli(p) -> None:
-    "The flags of `tmas data hard-subset`."
-    p.add_argument('--benchmark', default='imo_answerbench', help='a benchmark name or file (default imo_answerbench)')
-    p.add_argument('--model', required=True, help='the reference model (the paper: Qwen3-4B-Thinking-2507): a name, folder, or an OpenAI-compatible URL')
-    p.add_argument('--served-model', dest='served_model', default=None, help='model name on the server (with a URL)')
-    p.add_argument('--samples', type=int, default=8, help='samples per problem (default 8)')
-    p.add_argument('--threshold', type=int, default=2, help='keep problems with fewer correct samples than this (default 2)')
-    p.add_argument('--k', type=int, default=50, help='problems to pick (default 50)')
-    p.add_argument('--seed', type=int, default=0, help='seed of the sampling and the pick; recorded in the file')
-    p.add_argument('--temperature', type=float, default=0.6, help='sampling temperature (default 0.6)')
-    p.add_argument('--top-p', dest='top_p', type=float, default=0.95)
-    p.add_argument('--top-k', dest='top_k', type=int, default=20)
-    p.add_argument('--max-new-tokens', dest='max_new_tokens', type=int, default=4096)
-    p.add_argument('--limit', type=int, default=None, help='only the first N problems (a quick check)')
-    p.add_argument('--threads', type=int, default=None, help='torch CPU threads')
-    p.add_argument('--quiet', action='store_true')
-    p.add_argument('--out', required=True, help='the problem-id list to write')
-    p.set_defaults(func=_cmd_hard_subset)

@@ -12,9 +12,9 @@ from .core import FETCH_HINTS, check_data_folder, find_data_dir, sha256_file, us
 from .settings import deprecated_alias
 
 # %% auto #0
-__all__ = ['RAW_BASE', 'AUTOTTS', 'SUPERHUMAN', 'REGISTRY', 'Source', 'DataFile', 'Dataset', 'resolve_names', 'file_state',
-           'DataFetchError', 'ChecksumError', 'Downloader', 'find_local', 'copy_verified', 'make_mirror', 'fetch',
-           'fetch_command', 'list_datasets', 'dataset_of', 'fetch_hint', 'fetch_cli', 'list_cli', 'mirror_cli']
+__all__ = ['RAW_BASE', 'AUTOTTS', 'SUPERHUMAN', 'RSE_RELEASE', 'REGISTRY', 'Source', 'DataFile', 'Dataset', 'resolve_names',
+           'file_state', 'DataFetchError', 'ChecksumError', 'Downloader', 'find_local', 'copy_verified', 'make_mirror',
+           'fetch', 'fetch_command', 'list_datasets', 'dataset_of', 'fetch_hint', 'fetch_cli', 'list_cli', 'mirror_cli']
 
 # %% ../nbs/18_data_fetch.ipynb #16a9ce8d
 RAW_BASE = 'https://raw.githubusercontent.com'
@@ -53,6 +53,7 @@ class Dataset:
 # %% ../nbs/18_data_fetch.ipynb #38cc4d7d
 AUTOTTS = Source('zhengkid', 'AutoTTS', '3cd98d12c7cb999afc5c21381f22ea5811ac6c05')
 SUPERHUMAN = Source('google-deepmind', 'superhuman', 'a02069ef66dbae4c5b0713ba0dc144a35375558f')
+RSE_RELEASE = Source('WangXinglin', 'RSE', 'd36f7e1')   # the RSE release as the data README pins it (short hash; the sha256 fixes the file)
 
 _AUTOTTS_STORES = {  # (model, dataset): (bytes, sha256) of the files at AUTOTTS.commit
     ('Qwen3-0.6B', 'aime24'): (2396753, '6b4297405b494c84afb05b337af315c617513eb2580ed327ca7040b760988a7d'),
@@ -83,6 +84,7 @@ _AUTOTTS_REFERENCE = {  # file name: (bytes, sha256)
 _NO_LICENCE = ("none stated (the repository has no licence file): downloaded from the authors' repository "
                "on your machine, never redistributed")
 
+# %% ../nbs/18_data_fetch.ipynb #521f0e83
 REGISTRY: dict[str, Dataset] = {d.name: d for d in [
     Dataset('autotts', "AutoTTS replay stores (Qwen3-0.6B/1.7B/4B/8B × aime24/aime25/hmmt25, 30 questions × 128 branches)",
             _NO_LICENCE,
@@ -99,6 +101,9 @@ REGISTRY: dict[str, Dataset] = {d.name: d for d in [
     Dataset('hmmt25', 'HMMT February 2025 (30 problems; question_id, question, answer)', 'CC BY-NC-SA 4.0 (as distributed by MathArena)',
             (DataFile('benchmarks/hmmt25.jsonl', 12970, 'abcc3899c7d835bf2fcf001622166798ecd39ab5f86922ad03ef56e270225cfb'),),
             note='no known public address serves this file; provide it with --from FILE'),
+    Dataset('hle_math_100', "HLE-Math-100: the 100-problem text-only math subset of Humanity's Last Exam released with RSE (TMAS's second main benchmark; id, question, answer, hle_raw_id, question_id)",
+            'MIT (HLE)', (DataFile('benchmarks/hle_math_100.jsonl', 60105, '4bd24817a826acc73a58029d907c668bc6aa80079378eb2d6be50b712e12a987',
+                                   'data/HLE_MATH_text_100_sample_subset.jsonl'),), RSE_RELEASE),
     Dataset('autotts-reference', "The AutoTTS authors' AIME24 results per configuration (accuracy, tokens), one CSV pair per model",
             'derived from zhengkid/AutoTTS (no licence file)',
             tuple(DataFile(f'autotts_reference/{f}', n, h) for f, (n, h) in _AUTOTTS_REFERENCE.items()),
@@ -410,6 +415,7 @@ def _cmd_mirror(args) -> int:
           f"with --mirror")
     return 0
 
+# %% ../nbs/18_data_fetch.ipynb #709095d1
 def fetch_cli(f) -> None:
     "The flags of `tmas data fetch`."
     names = ', '.join([*REGISTRY, 'all'])

@@ -11,7 +11,7 @@ from typing import Sequence
 from .core import atomic_write_json, folder_lock
 from .agents import derive_seed
 from .grading import judge_messages, parse_verdict, answer_kind, clean_answer
-from .runs import judge_columns, pass_at_1_by_iteration, grading_label, load_run
+from .run_folder import judge_columns, pass_at_1_by_iteration, grading_label, load_run
 from .settings import deprecated_alias
 
 # %% auto #0

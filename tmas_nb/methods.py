@@ -4,7 +4,7 @@
 
 # %% ../nbs/23_methods.ipynb #e78815be
 from __future__ import annotations
-import asyncio, dataclasses, hashlib, json, os, re, threading, time
+import asyncio, dataclasses, hashlib, json, math, os, re, threading, time
 from collections import Counter
 from dataclasses import dataclass, field, asdict, fields
 from pathlib import Path
@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from .core import atomic_write_json
 from .llm.core import LLM, Completion
-from .agents import (SamplingConfig, AgentContext, TMAS_ROLE_SAMPLING, DISTILL_MAX_CHARS, Verification, MemoryUpdate, MeteredLLM, derive_rng, is_fully_verified,
+from .agents import (SamplingConfig, AgentContext, TMAS_ROLE_SAMPLING, DISTILL_MAX_CHARS, rollout_trajectory, Verification, MemoryUpdate, MeteredLLM, derive_rng, is_fully_verified,
                             solve, verify, summarize, update_experience, update_guidelines, distill, rse_rollouts,
                             sample, self_refine, verify_refine, pacore, apply_distillation)
 from .memory import (ExperienceBank, GuidelineBank, RSEBank, HashingEmbedder, TMAS_DEDUP_THRESHOLD,
@@ -25,11 +25,12 @@ from .grading import extract_answer, clean_answer, grade_many_detail
 from .data import Problem
 
 # %% auto #0
-__all__ = ['EMBEDDERS', 'RECORD_COLUMNS', 'METHODS', 'MethodConfig', 'TMASConfig', 'RSEConfig', 'BaselineConfig', 'candidate',
-           'problem_category', 'records_frame', 'StepResult', 'Method', 'TMAS', 'RSE', 'Sampling', 'answer_clusters',
-           'majority_answer', 'MajorityVote', 'SelfRefine', 'VerifyRefine', 'PaCoRe', 'make_method', 'problem_dir_name',
-           'checkpoint_path', 'bank_path', 'bank_items', 'read_checkpoints', 'read_problem_checkpoints', 'run_problem',
-           'run_method']
+__all__ = ['EMBEDDERS', 'RSE_DEDUP', 'DISTILL_CONTEXT', 'CHARS_PER_TOKEN', 'PROMPT_ROOM', 'IRRELEVANT_ITEMS', 'RECORD_COLUMNS',
+           'METHODS', 'MethodConfig', 'TMASConfig', 'RSEConfig', 'estimate_tokens', 'distill_budget',
+           'trajectory_chunks', 'distill_whole', 'prompt_items', 'BaselineConfig', 'candidate', 'problem_category',
+           'records_frame', 'StepResult', 'Method', 'TMAS', 'RSE', 'Sampling', 'answer_clusters', 'majority_answer',
+           'MajorityVote', 'SelfRefine', 'VerifyRefine', 'PaCoRe', 'make_method', 'problem_dir_name', 'checkpoint_path',
+           'bank_path', 'bank_items', 'read_checkpoints', 'read_problem_checkpoints', 'run_problem', 'run_method']
 
 # %% ../nbs/23_methods.ipynb #7b608a4b
 EMBEDDERS = ('minilm', 'hashing')
@@ -135,24 +136,121 @@ class TMASConfig(MethodConfig):
     M = property(lambda self: self.n_verifications)
     T = property(lambda self: self.iterations)
 
-# %% ../nbs/23_methods.ipynb #f31fe782
+# %% ../nbs/23_methods.ipynb #49f0cc1f
+RSE_DEDUP = ('semantic', 'random', 'none')
+"How the prompt's items are chosen: the de-duplicated bank, a random draw of as many from the raw pool, or the raw pool."
+
 @dataclass
 class RSEConfig(MethodConfig):
     "RSE: R rounds of K rollouts; each rollout is distilled into the bank that the next round's system prompt carries."
     n_candidates: int = 8
     iterations: int = 4
-    mode: str = 'both'
+    mode: str = 'both'                      # Table 4: 'positive' (propositions only) or 'negative' (pitfalls only)
     dedup_threshold: float = RSE_DEDUP_THRESHOLD
-    distill_max_chars: int = DISTILL_MAX_CHARS
+    dedup: str = 'semantic'                 # Table 20: 'semantic' (τ), 'random' (as many items drawn from the raw pool), 'none'
+    max_positive: int | None = None         # Table 10: at most this many propositions in the prompt (a seeded random pick)
+    max_negative: int | None = None         # ... and pitfalls
+    noise: float = 0.0                      # Table 9: this share of the prompt's items replaced by irrelevant ones
+    distill_context: int | None = None      # the distiller's context (tokens); None: DISTILL_CONTEXT
+    distill_max_chars: int | None = None    # a fixed chunk size in characters instead of one from the context
 
     def validate(self):
         super().validate()
-        if self.mode not in ('both', 'positive', 'negative'):
-            raise ValueError(f"RSEConfig.mode: is {self.mode!r}; use 'both', 'positive' (propositions only) or 'negative' (pitfalls only)")
+        bad = lambda f, why: ValueError(f"RSEConfig.{f}: {why}")
+        if self.mode not in ('both', 'positive', 'negative'): raise bad('mode', f"is {self.mode!r}; use 'both', 'positive' (propositions only) or 'negative' (pitfalls only)")
+        if self.dedup not in RSE_DEDUP: raise bad('dedup', f"is {self.dedup!r}; use one of {', '.join(RSE_DEDUP)}")
+        for f in ('max_positive', 'max_negative'):
+            v = getattr(self, f)
+            if v is not None and (not isinstance(v, int) or v < 1): raise bad(f, f"must be None or an integer >= 1, got {v!r}")
+        if not (isinstance(self.noise, (int, float)) and 0 <= self.noise <= 1): raise bad('noise', f"must be in [0, 1], got {self.noise!r}")
+        if self.distill_context is not None and self.distill_context < 2048: raise bad('distill_context', f"must be >= 2048 tokens, got {self.distill_context!r}")
+        if self.distill_max_chars is not None and self.distill_max_chars < 200: raise bad('distill_max_chars', f"must be >= 200, got {self.distill_max_chars!r}")
         return self
 
     K = property(lambda self: self.n_candidates)
     R = property(lambda self: self.iterations)
+
+# %% ../nbs/23_methods.ipynb #8fe86f90
+DISTILL_CONTEXT = 32_768
+"The distiller's context when neither the run nor the model says (tokens)."
+CHARS_PER_TOKEN = 2.5
+"Characters per token assumed for text other than digits (English and LaTeX run at 3 to 4 on Qwen-style tokenizers)."
+PROMPT_ROOM = 1024
+"Tokens kept for the distillation prompt around a part."
+
+def estimate_tokens(text: str) -> int:
+    "A generous token count of `text`: each digit a token of its own (as Qwen-style tokenizers split numbers), the rest at `CHARS_PER_TOKEN`."
+    digits = sum(map(text.count, '0123456789'))
+    return digits + math.ceil((len(text) - digits) / CHARS_PER_TOKEN)
+
+def distill_budget(config: RSEConfig) -> int:
+    "Tokens of trajectory one distillation call may carry: the distiller's context less its reply and the prompt around the part."
+    ctx = config.distill_context or DISTILL_CONTEXT
+    reply = min(config.sampling().for_role('distillation').max_new_tokens, ctx // 2)
+    return max(500, ctx - reply - PROMPT_ROOM)
+
+# %% ../nbs/23_methods.ipynb #50bdcce3
+def trajectory_chunks(rollout: Completion | str, budget: int, measure=estimate_tokens) -> list[str]:
+    "The rollout's whole trajectory (reasoning, then final response) in ordered parts of at most `budget` (`measure`: tokens, or `len` for characters), cut at line ends where possible."
+    text = rollout_trajectory(rollout, max_chars=10 ** 12)
+    if measure(text) <= budget: return [text]
+    room = budget - measure('(part 9999 of 9999 of one attempt)\n')   # the part's header
+    parts, cur, used = [], [], 0
+    for line in text.splitlines(keepends=True):
+        while measure(line) > room:                    # a line longer than a part: cut it
+            k = max(1, int(len(line) * room / measure(line)))
+            if cur: parts.append(''.join(cur)); cur, used = [], 0
+            parts.append(line[:k]); line = line[k:]
+        if used + measure(line) > room: parts.append(''.join(cur)); cur, used = [], 0
+        cur.append(line); used += measure(line)
+    if cur: parts.append(''.join(cur))
+    return [f"(part {i} of {len(parts)} of one attempt)\n{p}" for i, p in enumerate(parts, 1)]
+
+# %% ../nbs/23_methods.ipynb #36d63ff2
+async def distill_whole(llm, ctx: AgentContext, rollout: Completion, candidate: int, config: RSEConfig) -> MemoryUpdate:
+    "Distil every part of `rollout`'s trajectory (`trajectory_chunks`) and merge the items in order; one part is one `distill` call as before."
+    if config.distill_max_chars: parts = trajectory_chunks(rollout, config.distill_max_chars, len)
+    else: parts = trajectory_chunks(rollout, distill_budget(config))
+    if len(parts) == 1:
+        whole = config.distill_max_chars or 2 * len(parts[0]) + 400
+        return await distill(llm, ctx, rollout, None, candidate, config.mode, config.memory_retries, whole)
+    ups = [await distill(llm, ctx, p, None, candidate, config.mode, config.memory_retries, 2 * len(p) + 400) for p in parts]
+    ok = [u for u in ups if u.ok]
+    answer = {'verified_propositions': [x for u in ok for x in u.answer.get('verified_propositions', [])],
+              'critical_pitfalls': [x for u in ok for x in u.answer.get('critical_pitfalls', [])], 'parts': len(parts)}
+    err = None if ok else ups[-1].error
+    return MemoryUpdate('distillation', bool(ok), sum(u.attempts for u in ups), 0, err, answer if ok else None)
+
+# %% ../nbs/23_methods.ipynb #724ed85b
+IRRELEVANT_ITEMS = {
+    'propositions': ['The interior angles of a triangle add up to 180 degrees.', 'Every prime greater than 2 is odd.',
+                     'The derivative of sin x is cos x.', 'A regular hexagon has six equal sides.',
+                     'The binomial coefficient C(n, k) equals C(n, n - k).', 'log(ab) = log a + log b for positive a, b.'],
+    'pitfalls': ['Do not confuse the median of a data set with its mode.', 'Do not forget units when converting metres to feet.',
+                 'Avoid dividing by zero when simplifying rational expressions.', 'Do not assume a matrix product commutes.',
+                 'Avoid rounding intermediate decimals too early.', 'Do not treat an open interval as closed.'],
+}
+"Items unrelated to any one problem, for the noise ablation (Table 9): they replace a share of the prompt's items."
+
+# %% ../nbs/23_methods.ipynb #cd7dc5f2
+def prompt_items(bank: RSEBank, raw: dict, config: RSEConfig, rng) -> dict[str, list[str]]:
+    "The propositions and pitfalls one RSE round's prompt carries, by `config.dedup`, the caps and `config.noise`."
+    out = {}
+    for name in ('propositions', 'pitfalls'):
+        kept, pool = bank.texts(name), list(raw.get(name, []))
+        items = kept if config.dedup == 'semantic' else pool if config.dedup == 'none' else _pick(pool, len(kept), rng)
+        cap = config.max_positive if name == 'propositions' else config.max_negative
+        out[name] = _pick(items, cap, rng) if cap is not None else items
+    slots = [(n, i) for n in out for i in range(len(out[n]))]
+    for n, i in rng.sample(slots, round(config.noise * len(slots))) if config.noise else []:
+        out[n][i] = IRRELEVANT_ITEMS[n][rng.randrange(len(IRRELEVANT_ITEMS[n]))]
+    return out
+
+def _pick(items: list, k: int, rng) -> list:
+    "`k` of `items` drawn with `rng`, in their order (all when there are at most `k`)."
+    if k >= len(items): return list(items)
+    keep = set(rng.sample(range(len(items)), k))
+    return [x for i, x in enumerate(items) if i in keep]
 
 # %% ../nbs/23_methods.ipynb #2fea4f51
 @dataclass
@@ -299,7 +397,7 @@ async def step(self:TMAS, llm, problem, state, banks, iteration):
         memory = list(await asyncio.gather(*jobs))
     return StepResult(cands, {'rollouts': rollouts}, done, memory)
 
-# %% ../nbs/23_methods.ipynb #9e5c2346
+# %% ../nbs/23_methods.ipynb #a5789d64
 class RSE(Method):
     "Recycling self-experience: rounds of rollouts, each distilled into a shared bank of propositions and pitfalls."
     name, config_class, bank_names = 'rse', RSEConfig, ('rse',)
@@ -309,14 +407,19 @@ class RSE(Method):
 
     async def step(self, llm, problem, state, banks, iteration):
         c, ctx, bank = self.config, self.context(problem, iteration), banks['rse']
-        cs = await rse_rollouts(llm, ctx, bank if len(bank) else None, c.n_candidates)
+        raw = {k: list(v) for k, v in (state.get('raw_pool') or {'propositions': [], 'pitfalls': []}).items()}
+        shown = prompt_items(bank, raw, c, ctx.rng(-1, 'rse-prompt-items'))
+        cs = await rse_rollouts(llm, ctx, shown if any(shown.values()) else None, c.n_candidates)
         memory = []
         if not self.is_last(iteration):
-            memory = list(await asyncio.gather(*[distill(llm, ctx, x, None, k, c.mode, c.memory_retries, c.distill_max_chars)
-                                                 for k, x in enumerate(cs)]))
+            memory = list(await asyncio.gather(*[distill_whole(llm, ctx, x, k, c) for k, x in enumerate(cs)]))
             for u in memory:           # applied in candidate order, so the bank does not depend on timing
-                if u.ok: u.added = apply_distillation(bank, u.answer, c.mode, iteration)
-        return StepResult([candidate('rse', x) for x in cs], {}, False, memory)
+                if not u.ok: continue
+                u.added = apply_distillation(bank, u.answer, c.mode, iteration)
+                if c.mode != 'negative': raw['propositions'] += list(u.answer.get('verified_propositions', []))
+                if c.mode != 'positive': raw['pitfalls'] += list(u.answer.get('critical_pitfalls', []))
+        state = {'raw_pool': raw, 'prompt_items': {k: len(v) for k, v in shown.items()}}
+        return StepResult([candidate('rse', x) for x in cs], state, False, memory)
 
 # %% ../nbs/23_methods.ipynb #f9b0bebf
 class Sampling(Method):

@@ -76,6 +76,7 @@ def report_defaults(name: str) -> dict:
                         if isinstance(t, ast.Name): out[t.id] = v
     return out
 
+# %% ../nbs/90_reporting.ipynb #a3b901c5
 def _run_methods(runs) -> list[str]:
     "The `method` of every run folder that `runs` (a glob string or a list of folders) names."
     pats = [runs] if isinstance(runs, str) else list(runs or [])
@@ -130,6 +131,7 @@ def _one_line(e: BaseException) -> str:
     from tmas_nb.cli import error_message
     return error_message(e) or f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
 
+# %% ../nbs/90_reporting.ipynb #9bd35fd2
 def _cmd_report(args) -> int:
     params = _parse_params(args.param)
     if args.name != 'all':

@@ -99,7 +99,8 @@ class CachedLLM(LLM):
         self._count_lock = threading.Lock()
 
     async def _one(self, request: Request) -> list[Completion]:
-        keys = [cache_key(self.model_id, request, i) for i in range(request.n)]
+        model_id = self.backend.model_id_for(request) if hasattr(self.backend, 'model_id_for') else self.model_id   # per-role endpoints
+        keys = [cache_key(model_id, request, i) for i in range(request.n)]
         found = await asyncio.to_thread(self.store.get_many, keys)
         missing = [i for i, k in enumerate(keys) if k not in found]
         with self._count_lock:
@@ -112,7 +113,7 @@ class CachedLLM(LLM):
             else:
                 fresh = (await self.backend.generate([replace(request, n=len(missing))]))[0]
             for i, c in zip(missing, fresh):
-                await asyncio.to_thread(self.store.put, keys[i], self.model_id, request, i, c)
+                await asyncio.to_thread(self.store.put, keys[i], model_id, request, i, c)
                 out[i] = c
         return [out[i] for i in range(request.n)]
 
