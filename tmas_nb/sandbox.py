@@ -292,17 +292,17 @@ def redact(text: str) -> str:
 
 # %% ../nbs/00a_sandbox.ipynb #66e0e01f
 def launch_command(argv: list[str], limits: SandboxLimits, mode: str, enforcement: str, *, ro: list = (), rw: list = (),
-                   env: dict | None = None, network: bool = False, cwd: str | None = None, nproc: int | None = None,
+                   env: dict | None = None, network: bool = False, cwd: str | None = None,
                    processes: bool = False) -> tuple[list[str], dict, str | None]:
     "(command, environment, working folder) that start `argv` under `mode`; bubblewrap itself gets only `PATH` and `LANG`."
     env = dict(env or {})
     if mode == 'bwrap':
         cmd = sandbox_argv(argv, limits, enforcement, ro=[*python_paths(), *ro], rw=rw, env=env, network=network,
-                           cwd=cwd or '/tmp', nproc=nproc, processes=processes)
+                           cwd=cwd or '/tmp', processes=processes)
         return cmd, dict(_BASE_ENV), None
     if mode == 'unshare':
         net = [] if network else ['--net']
-        return ['unshare', '--user', '--map-root-user', *net, '--'] + trampoline(argv, limits, enforcement, nproc, processes), env, cwd
+        return ['unshare', '--user', '--map-root-user', *net, '--'] + trampoline(argv, limits, enforcement, None, processes), env, cwd
     if mode == 'rlimits':   # no namespace: the process count would count all of this user's processes
         return trampoline(argv, limits, enforcement, -1, processes), env, cwd
     return list(argv), env, cwd
@@ -312,12 +312,12 @@ class Sandbox:
     # processes=True lets the command start processes even without a cgroup (a coding agent); a controller may not
     def __init__(self, argv: list[str], limits: SandboxLimits = SandboxLimits(), mode: str | None = None, *, ro: list = (),
                  rw: list = (), env: dict | None = None, network: bool = False, cwd: str | None = None,
-                 nproc: int | None = None, processes: bool = False, **popen_kw):
+                 processes: bool = False, **popen_kw):
         self.mode = mode or sandbox_mode()
         self.limits, self.cgroup = limits, (make_cgroup(limits) if self.mode != 'none' else None)
         self.enforcement = 'cgroup' if self.cgroup else 'rlimit'
         cmd, env, cwd = launch_command(argv, limits, self.mode, self.enforcement, ro=ro, rw=rw, env=env, network=network,
-                                       cwd=cwd, nproc=nproc, processes=processes)
+                                       cwd=cwd, processes=processes)
         cg = self.cgroup
         def pre():
             os.setsid()

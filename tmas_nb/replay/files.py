@@ -8,7 +8,7 @@ import ast, json, math, os, queue, shutil, signal, subprocess, sys, threading, t
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .authors_api import (AuthorsQuestion, install_authors_shims, replay_log, store_records)
+from .authors_api import (AuthorsQuestion, install_authors_shims, replay_log, store_records, N_CODE, F_CODE)
 from ..sandbox import Sandbox, SandboxLimits, bwrap_binary, sandbox_mode, redact, _WARNED
 from ..settings import SandboxSettings
 from fastcore.basics import patch
@@ -123,6 +123,7 @@ def child_main(stream_in=None, stream_out=None) -> None:
                 for qi in range(len(records)):
                     if api == 'authors':
                         log = []; a = method.solve(AuthorsQuestion(records[qi], s, log))
+                        log = [N_CODE if x == 'N' else F_CODE if x == 'F' else x for x in log]
                     else:
                         env = Env(store, qi, seed=s); a = cls(**cfg).run(env); log = env.codes
                     answers.append(_answer_out(a)); logs.append(log)
@@ -231,7 +232,7 @@ def _run_child(job: dict, mode: str, timeout: float, memory_mb: int):
             sb.close()
             if cwd: shutil.rmtree(cwd, ignore_errors=True)
         pending = [k for k in range(first, len(tasks)) if k not in finished]
-        if failed is None and not pending: return
+        if not pending: return          # every task ended: a deadline passed after the last end is only the child's exit
         if failed is None:
             time.sleep(0.05)
             failed = _death_cause(proc.returncode, ''.join(tail), memory_mb)
@@ -326,6 +327,7 @@ class _Tally:
         self.orders, self.logs = {}, [None] * K
         self.records = _records_of(store)[0]
         self.ours = _ours_lists(store) if static_api != 'authors' else None
+        self.vid = [{a: i for i, a in enumerate(v)} for v in store.vocab]
 
 
 # %% ../../nbs/07_replay_files.ipynb #797b67c7
@@ -351,7 +353,7 @@ def _episodes(self:_Tally, t: int, m: dict) -> None:
     if m['s'] not in self.orders: self.orders[m['s']] = st.orders([m['s']])[0].tolist()
     for q, (ans, log) in enumerate(zip(m['a'], m['l'])):
         order = self.orders[m['s']][q][:len(self.records[q]['each_branch'])]
-        if self.api[t] == 'authors': c, rev = _replay_authors(self.records[q], order, log, ans)
+        if self.api[t] == 'authors': c, rev = self._authors(q, order, log, ans)
         else:
             if self.ours is None: self.ours = _ours_lists(st)
             c, seen = replay_ours_log(self.ours[q][0], order, self.ours[q][1], log)
@@ -360,6 +362,22 @@ def _episodes(self:_Tally, t: int, m: dict) -> None:
         self.correct[t, i, q] = rev and ans == st.gold_answers[q]
         self.unrevealed[t] += isinstance(ans, str) and not rev
     if self.keep_logs and i == 0: self.logs[t] = [(a, l) for a, l in zip(m['a'], m['l'])]
+
+
+# %% ../../nbs/07_replay_files.ipynb #f6218e29
+@patch
+def _authors(self:_Tally, q: int, order: list, log: list, ans) -> tuple[int, bool]:
+    "(tokens charged, answer revealed) of an authors'-API log on question `q`."
+    import numpy as np
+    from tmas_nb.replay.fast import authors_log_kernel
+    st = self.store
+    if any(not isinstance(a, int) or isinstance(a, bool) for a in log): raise ValueError("unknown action in the action log")
+    seen = np.zeros(len(st.vocab[q]) + 1, np.bool_)
+    cost, bad = authors_log_kernel(np.asarray(log, np.int64), np.asarray(order, np.int64), st.probes[q], st.n_probes[q], st.finals[q],
+                                   st.tokens[q], int(st.probe_freq[q]), seen)
+    if bad >= 0: raise ValueError(f"Index out of range for branches (action {bad} of question {q})")
+    a = self.vid[q].get(ans, -1) if isinstance(ans, str) else -1
+    return int(cost), bool(a >= 0 and seen[a])
 
 
 # %% ../../nbs/07_replay_files.ipynb #9a75c800
