@@ -290,7 +290,7 @@ def redact(text: str) -> str:
         if _SECRET.search(k) and len(v) >= 6 and v in text: text = text.replace(v, '***')
     return text
 
-# %% ../nbs/00a_sandbox.ipynb #66e0e01f
+# %% ../nbs/00a_sandbox.ipynb #8d4a494d
 def launch_command(argv: list[str], limits: SandboxLimits, mode: str, enforcement: str, *, ro: list = (), rw: list = (),
                    env: dict | None = None, network: bool = False, cwd: str | None = None,
                    processes: bool = False) -> tuple[list[str], dict, str | None]:
@@ -307,6 +307,8 @@ def launch_command(argv: list[str], limits: SandboxLimits, mode: str, enforcemen
         return trampoline(argv, limits, enforcement, -1, processes), env, cwd
     return list(argv), env, cwd
 
+
+# %% ../nbs/00a_sandbox.ipynb #21ca9fdf
 class Sandbox:
     "A command running under `mode` with `limits`; `.proc` is its Popen, `.enforcement` 'cgroup' or 'rlimit'."
     # processes=True lets the command start processes even without a cgroup (a coding agent); a controller may not
@@ -341,6 +343,7 @@ class Sandbox:
     def __exit__(self, *exc):
         if self.proc.poll() is None: self.kill()
         else: self.close()
+
 
 # %% ../nbs/00a_sandbox.ipynb #d1cf7c0a
 NETWORK_FILES = ('/etc/resolv.conf', '/etc/hosts', '/etc/nsswitch.conf', '/etc/host.conf', '/etc/gai.conf', '/etc/ssl',

@@ -4,7 +4,7 @@
 
 # %% ../../nbs/07_replay_files.ipynb #99d27a54
 from __future__ import annotations
-import ast, json, math, os, queue, shutil, signal, subprocess, sys, threading, time, traceback, warnings
+import ast, json, math, os, queue, shutil, signal, subprocess, sys, tempfile, threading, time, traceback, warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -62,7 +62,7 @@ def static_api_of(code: str, class_name: str) -> str | None:
         return None
     return api(class_name, {class_name})
 
-# %% ../../nbs/07_replay_files.ipynb #f8177262
+# %% ../../nbs/07_replay_files.ipynb #a55248cb
 def _codes_env_class():
     "A ReplayEnv that keeps a compact log of the actions it applied."
     from tmas_nb.replay.environment import ReplayEnv, Action
@@ -85,6 +85,8 @@ def _where(exc, filename) -> str:
 def _answer_out(a):
     return a if isinstance(a, str) or a is None else {'not_a_string': _one_line(repr(a), 80)}
 
+
+# %% ../../nbs/07_replay_files.ipynb #e4623aff
 def child_main(stream_in=None, stream_out=None) -> None:
     "Run one job (JSON on stdin) and write protocol lines; the controller's stdout goes to stderr."
     stream_in = stream_in or sys.stdin
@@ -135,6 +137,7 @@ def child_main(stream_in=None, stream_out=None) -> None:
             where = f"{phase} {job['class_name']}" + (f" (seed {s}, question {qi})" if s is not None else '')
             emit({'t': t, 'error': _one_line(f"{fname}: {type(e).__name__} {where}{_where(e, fname)}: {e}")})
 
+
 # %% ../../nbs/07_replay_files.ipynb #92e38366
 def _child_argv() -> list[str]:
     return [sys.executable, '-c', 'from tmas_nb.replay.files import child_main; child_main()']
@@ -152,7 +155,7 @@ def sandbox_command(mode: str, memory_mb: int = 2048) -> list[str]:
     from tmas_nb.sandbox import launch_command, limits_enforcement
     return launch_command(_child_argv(), SandboxLimits(memory_mb=memory_mb), mode, limits_enforcement(), env=_child_env())[0]
 
-# %% ../../nbs/07_replay_files.ipynb #0311c245
+# %% ../../nbs/07_replay_files.ipynb #5511d9cc
 def _kill(sb):
     sb.kill()
 
@@ -169,40 +172,46 @@ def _death_cause(rc, stderr_tail: str, memory_mb: int) -> str:
 
 _MAX_LINE, _MAX_OUTPUT = 64 << 20, 1 << 30
 
+
+# %% ../../nbs/07_replay_files.ipynb #fc5b6922
+def _child_io(proc, job: dict):
+    "Feed `job` to the child and read its output in threads: (queue of stdout lines then None, stop event, stderr tail)."
+    tail, lines, stop = [], queue.Queue(maxsize=256), threading.Event()
+    def feed():
+        try: proc.stdin.write(json.dumps(job).encode()); proc.stdin.close()
+        except (BrokenPipeError, OSError): pass
+    def drain():
+        for line in iter(lambda: proc.stderr.readline(1 << 16), b''):
+            tail.append(line.decode('utf-8', 'replace'))
+            if len(tail) > 50: del tail[:25]
+    def put(x):
+        while not stop.is_set():
+            try: lines.put(x, timeout=0.5); return
+            except queue.Full: pass
+    def read():
+        total = 0
+        for line in iter(lambda: proc.stdout.readline(_MAX_LINE), b''):
+            total += len(line)
+            if total > _MAX_OUTPUT: put(b'{"flood": 1}'); break
+            put(line)
+        put(None)
+    for f in (feed, drain, read): threading.Thread(target=f, daemon=True).start()
+    return lines, stop, tail
+
+
+# %% ../../nbs/07_replay_files.ipynb #5e689071
 def _run_child(job: dict, mode: str, timeout: float, memory_mb: int):
     "Yield protocol dicts for `job`; failures of a task become {'t', 'error'} and the rest goes on in a new child."
     tasks = job['tasks']; first = 0
     while first < len(tasks):
         sub = dict(job, tasks=tasks[first:])
         cpu = int(math.ceil(timeout * len(sub['tasks']))) + 10
-        cwd = None
-        if mode in ('unshare', 'rlimits', 'none'):
-            import tempfile; cwd = tempfile.mkdtemp(prefix='tmas_ctrl_')
+        cwd = tempfile.mkdtemp(prefix='tmas_ctrl_') if mode in ('unshare', 'rlimits', 'none') else None
         lim = SandboxLimits(memory_mb=int(memory_mb), cpu_s=cpu)
         sb = Sandbox(_child_argv(), lim, mode, env=_child_env('/tmp' if mode == 'bwrap' else cwd), cwd=cwd,
                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         proc = sb.proc
-        tail = []
-        def feed():
-            try: proc.stdin.write(json.dumps(sub).encode()); proc.stdin.close()
-            except (BrokenPipeError, OSError): pass
-        def drain():
-            for line in iter(lambda: proc.stderr.readline(1 << 16), b''):
-                tail.append(line.decode('utf-8', 'replace'))
-                if len(tail) > 50: del tail[:25]
-        lines, stop = queue.Queue(maxsize=256), threading.Event()
-        def put(x):
-            while not stop.is_set():
-                try: lines.put(x, timeout=0.5); return
-                except queue.Full: pass
-        def read():
-            total = 0
-            for line in iter(lambda: proc.stdout.readline(_MAX_LINE), b''):
-                total += len(line)
-                if total > _MAX_OUTPUT: put(b'{"flood": 1}'); break
-                put(line)
-            put(None)
-        for f in (feed, drain, read): threading.Thread(target=f, daemon=True).start()
+        lines, stop, tail = _child_io(proc, sub)
         cur, deadline, failed, finished = None, time.monotonic() + timeout + 30, None, set()
         try:
             while True:
@@ -239,6 +248,7 @@ def _run_child(job: dict, mode: str, timeout: float, memory_mb: int):
         k = first + cur if cur is not None else pending[0]
         yield {'t': k, 'error': f"{job['filename']}: {failed}"}
         first = k + 1
+
 
 # %% ../../nbs/07_replay_files.ipynb #8045ee23
 def _ours_lists(store) -> list:
