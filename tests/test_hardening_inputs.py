@@ -272,8 +272,8 @@ def test_discover_rounds_are_strict_json(tmp_path):
     def refuse(name): raise ValueError(f'bare {name} in JSON')
     [line] = (out / 'rounds.jsonl').read_text().splitlines()
     rec = json.loads(line, parse_constant=refuse)
-    assert rec['status'] == 'no_code' and rec['score'] is None
-    for p in [out / 'round_000' / 'round.json', out / 'summary.json']:
+    assert rec['status'] == 'no_code' and rec['error']
+    for p in [out / 'selection.json', out / 'summary.json']:
         json.loads(p.read_text(), parse_constant=refuse)
 
 

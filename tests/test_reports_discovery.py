@@ -1,5 +1,6 @@
 """Smoke-run the discovery and replay-build reports with papermill on small real inputs and check what they write."""
 import json
+from dataclasses import replace
 
 import pandas as pd
 
@@ -9,7 +10,7 @@ from tmas_nb.reporting import run_report
 
 
 def _store_file(tmp_path, **kw):
-    p = tmp_path / 'stores' / f"syn{kw.get('n_branches', '')}.json"; p.parent.mkdir(exist_ok=True)
+    p = tmp_path / 'Qwen3-4B' / f"syn{kw.get('n_branches', '')}.json"; p.parent.mkdir(exist_ok=True)
     p.write_text(json.dumps(store_records(synthetic_store(**kw))))
     return p
 
@@ -18,17 +19,20 @@ def test_autotts_discovery_report(tmp_path):
     store = _store_file(tmp_path)
     wide = _store_file(tmp_path, n_branches=64, seed=1)      # the held-out table runs SC@64: a store with 64 branches
     # control flow only: canned proposals (a working file, then no code) in place of a model
-    script = [f"```python\n{EXAMPLE_CONTROLLER}```", 'notes', 'no code here', 'notes']
-    run = tmp_path / 'run'
-    run_discovery(ScriptedLLM(script), DiscoveryConfig(rounds=2, train=[str(store)], heldout=[str(wide)], seeds=3,
-                                                       betas=(0.0, 0.5, 1.0)), run, progress=False)
-    d = run_report('autotts_discovery', tmp_path / 'out', dict(run_dir=str(run)), progress=False)
+    script = [f"```python\n{EXAMPLE_CONTROLLER}```", 'no code here']
+    cfg = DiscoveryConfig(rounds=2, train=[str(store)], heldout=[str(wide)], seeds=3, betas=(0.0, 0.5, 1.0), turns=1, price_in=3, price_out=15)
+    run, arm = tmp_path / 'run', tmp_path / 'no_traces'
+    run_discovery(ScriptedLLM(script), cfg, run, progress=False)
+    run_discovery(ScriptedLLM(script), replace(cfg, traces=False), arm, progress=False)
+    d = run_report('autotts_discovery', tmp_path / 'out', dict(run_dir=str(run), ablation_dirs=[str(arm)]), progress=False)
     s = json.loads((d / 'summary.json').read_text())
-    assert s['rounds'] == 2 and s['ok_rounds'] == 1 and s['broken_rounds'] == 1 and s['best_round'] == 0
+    assert s['rounds'] == 2 and s['ok_rounds'] == 1 and s['broken_rounds'] == 1 and s['selection']['round'] == 0
     assert '1 of 2 proposals did not run' in s['verdict']
+    assert {(f['split'], f['round']) for f in s['figure4']} == {('search', 0), ('heldout', 0)}
+    assert s['ablation_arms'] == ['full', 'no execution traces'] and s['cost']['dollars'] > 0
     ho = pd.read_csv(d / 'heldout_table.csv')
-    assert {'SC@64', 'CMC β=0.5'} <= set(ho.method) and ho.method.str.startswith('discovered').sum() == 3
-    assert (d / 'discovery_rounds.png').stat().st_size > 10_000
+    assert {'SC@64', 'CMC β=0.5'} <= set(ho.method) and ho.method.str.startswith('selected').sum() >= 2
+    assert (d / 'discovery_rounds.png').stat().st_size > 10_000 and (d / 'figure4.png').stat().st_size > 10_000
 
 
 def test_replay_build_report(tmp_path):

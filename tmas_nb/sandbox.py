@@ -290,34 +290,36 @@ def redact(text: str) -> str:
         if _SECRET.search(k) and len(v) >= 6 and v in text: text = text.replace(v, '***')
     return text
 
-# %% ../nbs/00a_sandbox.ipynb #66e0e01f
+# %% ../nbs/00a_sandbox.ipynb #8d4a494d
 def launch_command(argv: list[str], limits: SandboxLimits, mode: str, enforcement: str, *, ro: list = (), rw: list = (),
-                   env: dict | None = None, network: bool = False, cwd: str | None = None, nproc: int | None = None,
+                   env: dict | None = None, network: bool = False, cwd: str | None = None,
                    processes: bool = False) -> tuple[list[str], dict, str | None]:
     "(command, environment, working folder) that start `argv` under `mode`; bubblewrap itself gets only `PATH` and `LANG`."
     env = dict(env or {})
     if mode == 'bwrap':
         cmd = sandbox_argv(argv, limits, enforcement, ro=[*python_paths(), *ro], rw=rw, env=env, network=network,
-                           cwd=cwd or '/tmp', nproc=nproc, processes=processes)
+                           cwd=cwd or '/tmp', processes=processes)
         return cmd, dict(_BASE_ENV), None
     if mode == 'unshare':
         net = [] if network else ['--net']
-        return ['unshare', '--user', '--map-root-user', *net, '--'] + trampoline(argv, limits, enforcement, nproc, processes), env, cwd
+        return ['unshare', '--user', '--map-root-user', *net, '--'] + trampoline(argv, limits, enforcement, None, processes), env, cwd
     if mode == 'rlimits':   # no namespace: the process count would count all of this user's processes
         return trampoline(argv, limits, enforcement, -1, processes), env, cwd
     return list(argv), env, cwd
 
+
+# %% ../nbs/00a_sandbox.ipynb #21ca9fdf
 class Sandbox:
     "A command running under `mode` with `limits`; `.proc` is its Popen, `.enforcement` 'cgroup' or 'rlimit'."
     # processes=True lets the command start processes even without a cgroup (a coding agent); a controller may not
     def __init__(self, argv: list[str], limits: SandboxLimits = SandboxLimits(), mode: str | None = None, *, ro: list = (),
                  rw: list = (), env: dict | None = None, network: bool = False, cwd: str | None = None,
-                 nproc: int | None = None, processes: bool = False, **popen_kw):
+                 processes: bool = False, **popen_kw):
         self.mode = mode or sandbox_mode()
         self.limits, self.cgroup = limits, (make_cgroup(limits) if self.mode != 'none' else None)
         self.enforcement = 'cgroup' if self.cgroup else 'rlimit'
         cmd, env, cwd = launch_command(argv, limits, self.mode, self.enforcement, ro=ro, rw=rw, env=env, network=network,
-                                       cwd=cwd, nproc=nproc, processes=processes)
+                                       cwd=cwd, processes=processes)
         cg = self.cgroup
         def pre():
             os.setsid()
@@ -341,6 +343,7 @@ class Sandbox:
     def __exit__(self, *exc):
         if self.proc.poll() is None: self.kill()
         else: self.close()
+
 
 # %% ../nbs/00a_sandbox.ipynb #d1cf7c0a
 NETWORK_FILES = ('/etc/resolv.conf', '/etc/hosts', '/etc/nsswitch.conf', '/etc/host.conf', '/etc/gai.conf', '/etc/ssl',

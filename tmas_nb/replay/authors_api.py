@@ -10,11 +10,13 @@ from importlib import resources
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['EXAMPLE_CONTROLLERS', 'AuthorsQuestion', 'run_authors_protocol', 'replay_log', 'replay_authors_log', 'store_records',
-           'LLMDesignedMethod', 'MethodTraceRecorder', 'MethodStrategyAdapter', 'install_authors_shims',
-           'example_controller']
+__all__ = ['N_CODE', 'F_CODE', 'EXAMPLE_CONTROLLERS', 'AuthorsQuestion', 'run_authors_protocol', 'replay_log',
+           'replay_authors_log', 'store_records', 'LLMDesignedMethod', 'MethodTraceRecorder', 'MethodStrategyAdapter',
+           'install_authors_shims', 'example_controller']
 
 # %% ../../nbs/06_replay_authors_api.ipynb #b2ec1f2c
+N_CODE, F_CODE = -(1 << 40), -(1 << 40) - 1   # 'N' and 'F' of an action log as integers (what a sandboxed child sends)
+
 class AuthorsQuestion:
     "One question as the authors' evaluator presents it to a controller; branches shuffled by `random.Random(seed)`."
     def __init__(self, record: dict, seed: int, log: list | None = None):

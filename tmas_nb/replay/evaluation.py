@@ -23,7 +23,7 @@ __all__ = ['PAPER_AIME24', 'TABLE_SUFFIXES', 'EvalResult', 'bootstrap_ci', 'eval
            'load_reference', 'canonical_spec', 'table_path', 'run_grid', 'write_table', 'trace_episodes', 'eval_cli',
            'grid_cli']
 
-# %% ../../nbs/05_replay_evaluation.ipynb #4686ccdc
+# %% ../../nbs/05_replay_evaluation.ipynb #ccd715dc
 @dataclass
 class EvalResult:
     "Accuracy (percent), average tokens per question and a bootstrap interval over questions."
@@ -65,6 +65,8 @@ def _episodes(controller: Controller, store: ReplayStore, seeds, progress=False)
             correct[i, q] = env.answer(controller.run(env)); cost[i, q] = env.cost
     return correct, cost
 
+
+# %% ../../nbs/05_replay_evaluation.ipynb #7fd4b8b1
 def evaluate(controller: Controller | str, store: ReplayStore, seeds=range(100), n_boot: int = 2000,
              progress: bool = False) -> EvalResult:
     "Evaluate `controller` (object or spec string) on `store` with the authors' protocol."
@@ -77,6 +79,7 @@ def evaluate(controller: Controller | str, store: ReplayStore, seeds=range(100),
     lo, hi = bootstrap_ci(pq, n_boot=n_boot)
     return EvalResult(controller.describe(), store.name, float(100 * acc_s.mean()), float(tok_s.mean()),
                       100 * lo, 100 * hi, len(seeds), (100 * pq).tolist(), cost.mean(axis=0).tolist())
+
 
 # %% ../../nbs/05_replay_evaluation.ipynb #35ccfa18
 PAPER_AIME24 = {  # model: {column: (acc %, tokens in thousands)}
@@ -201,7 +204,7 @@ def trace_episodes(controller: Controller | str, store: ReplayStore, seeds=range
     return df.astype({'seed': 'int32', 'question': 'int16', 'step': 'int32', 'action': 'category', 'branch': 'int16',
                       'answer': 'category', 'cost': 'float32', 'finished': 'bool'})
 
-# %% ../../nbs/05_replay_evaluation.ipynb #1e9757e7
+# %% ../../nbs/05_replay_evaluation.ipynb #4ccb700f
 def _file_args(args, configs) -> dict:
     "Check the --controller-file options; returns the keyword arguments of `evaluate_file`."
     if not args.controller_class: raise ValueError("--controller-file needs --controller-class NAME (the class in the file)")
@@ -250,6 +253,8 @@ def _cmd_eval(args) -> int:
                 f"[{d['ci_low']:.1f}, {d['ci_high']:.1f}], {d['avg_tokens'] / 1000:.1f}k tokens per question ({d['seeds']} seeds)")
     return 0
 
+
+# %% ../../nbs/05_replay_evaluation.ipynb #25117c73
 def _cmd_grid(args) -> int:
     if args.seeds < 1: raise ValueError("--seeds must be >= 1")
     table_path(args.out, '--out')
@@ -285,6 +290,8 @@ def _add_file_options(p, jobs: bool = True) -> None:
     p.add_argument('--controller-class', default=None, metavar='NAME', help='class to evaluate in --controller-file')
     add_settings(p, SandboxSettings, skip=() if jobs else ('jobs',), title='controller files (sandboxed)')
 
+
+# %% ../../nbs/05_replay_evaluation.ipynb #9df749f6
 def eval_cli(p) -> None:
     "The flags of `tmas replay eval`."
     p.add_argument('--data-dir', default=None, help=_DATA_DIR_HELP)

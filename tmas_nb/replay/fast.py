@@ -11,9 +11,11 @@ from .controllers import (ASC, CMC, ESC, ParallelProbe, SelfConsistency, beta_co
                                         cmc_schedule, check_fits_store, Controller)
 from .environment import ReplayEnv
 from .store import ReplayStore
+from .authors_api import N_CODE, F_CODE
 
 # %% auto #0
-__all__ = ['sc_kernel', 'asc_kernel', 'esc_kernel', 'pp_kernel', 'cmc_kernel', 'has_fast', 'run_fast', 'check_against_reference']
+__all__ = ['sc_kernel', 'asc_kernel', 'esc_kernel', 'pp_kernel', 'cmc_kernel', 'authors_log_kernel', 'has_fast', 'run_fast',
+           'check_against_reference']
 
 # %% ../../nbs/04_replay_fast.ipynb #d0113d05
 @njit(cache=True, nogil=True)
@@ -246,6 +248,34 @@ def cmc_kernel(n_init, max_branch, warm_up, patience, T_ema, alpha, conf_thresh,
             ans[s, q] = result; cost[s, q] = c
             for j in range(nd): counts[distinct[j]] = 0
     return ans, cost
+
+# %% ../../nbs/04_replay_fast.ipynb #8c7a4c0c
+@njit(cache=True, nogil=True)
+def authors_log_kernel(codes, order, probes, n_probes, finals, tokens, probe_freq, seen):
+    "(tokens charged, -1) by an authors'-API log on one question, revealed answer ids set in `seen`; (-1, j) if action j cannot replay."
+    n = order.shape[0]; probed = np.zeros(n, np.int64); opened = 0; total = 0
+    for j in range(codes.shape[0]):
+        a = codes[j]
+        if a == F_CODE:
+            if opened >= n: return -1, j
+            b = order[opened]; opened += 1; total += tokens[b]; seen[finals[b]] = True
+            continue
+        if a == N_CODE:
+            if opened >= n: return -1, j
+            i = opened; opened += 1
+        else:
+            if a > opened: return -1, j
+            i = a + n if a < 0 else a
+            if i < 0 or i >= n: return -1, j
+        b = order[i]; k = probed[i]
+        if k < n_probes[b]:
+            probed[i] = k + 1; total += probe_freq; seen[probes[b, k]] = True
+        else:
+            c = tokens[b] - probe_freq * k
+            total += c if c > 0 else 0
+            seen[finals[b]] = True
+    return total, -1
+
 
 # %% ../../nbs/04_replay_fast.ipynb #20df4b2c
 def _arrays(store: ReplayStore):

@@ -4,18 +4,19 @@
 
 # %% ../../nbs/07_replay_files.ipynb #99d27a54
 from __future__ import annotations
-import ast, json, math, os, queue, shutil, signal, subprocess, sys, threading, time, traceback, warnings
+import ast, json, math, os, queue, shutil, signal, subprocess, sys, tempfile, threading, time, traceback, warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .authors_api import (AuthorsQuestion, install_authors_shims, replay_log, store_records)
+from .authors_api import (AuthorsQuestion, install_authors_shims, replay_log, store_records, N_CODE, F_CODE)
 from ..sandbox import Sandbox, SandboxLimits, bwrap_binary, sandbox_mode, redact, _WARNED
 from ..settings import SandboxSettings
+from fastcore.basics import patch
 if TYPE_CHECKING: from tmas_nb.replay.store import ReplayStore   # the child stays free of NumPy unless the file needs it
 
 # %% auto #0
 __all__ = ['ControllerError', 'check_controller_source', 'static_api_of', 'child_main', 'sandbox_command', 'replay_ours_log',
-           'evaluate_file', 'evaluate_file_grid']
+           'evaluate_file', 'evaluate_file_configs', 'evaluate_file_grid']
 
 # %% ../../nbs/07_replay_files.ipynb #ea71d218
 class ControllerError(ValueError):
@@ -61,7 +62,7 @@ def static_api_of(code: str, class_name: str) -> str | None:
         return None
     return api(class_name, {class_name})
 
-# %% ../../nbs/07_replay_files.ipynb #f8177262
+# %% ../../nbs/07_replay_files.ipynb #a55248cb
 def _codes_env_class():
     "A ReplayEnv that keeps a compact log of the actions it applied."
     from tmas_nb.replay.environment import ReplayEnv, Action
@@ -84,6 +85,8 @@ def _where(exc, filename) -> str:
 def _answer_out(a):
     return a if isinstance(a, str) or a is None else {'not_a_string': _one_line(repr(a), 80)}
 
+
+# %% ../../nbs/07_replay_files.ipynb #e4623aff
 def child_main(stream_in=None, stream_out=None) -> None:
     "Run one job (JSON on stdin) and write protocol lines; the controller's stdout goes to stderr."
     stream_in = stream_in or sys.stdin
@@ -122,6 +125,7 @@ def child_main(stream_in=None, stream_out=None) -> None:
                 for qi in range(len(records)):
                     if api == 'authors':
                         log = []; a = method.solve(AuthorsQuestion(records[qi], s, log))
+                        log = [N_CODE if x == 'N' else F_CODE if x == 'F' else x for x in log]
                     else:
                         env = Env(store, qi, seed=s); a = cls(**cfg).run(env); log = env.codes
                     answers.append(_answer_out(a)); logs.append(log)
@@ -132,6 +136,7 @@ def child_main(stream_in=None, stream_out=None) -> None:
         except BaseException as e:
             where = f"{phase} {job['class_name']}" + (f" (seed {s}, question {qi})" if s is not None else '')
             emit({'t': t, 'error': _one_line(f"{fname}: {type(e).__name__} {where}{_where(e, fname)}: {e}")})
+
 
 # %% ../../nbs/07_replay_files.ipynb #92e38366
 def _child_argv() -> list[str]:
@@ -150,7 +155,7 @@ def sandbox_command(mode: str, memory_mb: int = 2048) -> list[str]:
     from tmas_nb.sandbox import launch_command, limits_enforcement
     return launch_command(_child_argv(), SandboxLimits(memory_mb=memory_mb), mode, limits_enforcement(), env=_child_env())[0]
 
-# %% ../../nbs/07_replay_files.ipynb #0311c245
+# %% ../../nbs/07_replay_files.ipynb #5511d9cc
 def _kill(sb):
     sb.kill()
 
@@ -167,40 +172,46 @@ def _death_cause(rc, stderr_tail: str, memory_mb: int) -> str:
 
 _MAX_LINE, _MAX_OUTPUT = 64 << 20, 1 << 30
 
+
+# %% ../../nbs/07_replay_files.ipynb #fc5b6922
+def _child_io(proc, job: dict):
+    "Feed `job` to the child and read its output in threads: (queue of stdout lines then None, stop event, stderr tail)."
+    tail, lines, stop = [], queue.Queue(maxsize=256), threading.Event()
+    def feed():
+        try: proc.stdin.write(json.dumps(job).encode()); proc.stdin.close()
+        except (BrokenPipeError, OSError): pass
+    def drain():
+        for line in iter(lambda: proc.stderr.readline(1 << 16), b''):
+            tail.append(line.decode('utf-8', 'replace'))
+            if len(tail) > 50: del tail[:25]
+    def put(x):
+        while not stop.is_set():
+            try: lines.put(x, timeout=0.5); return
+            except queue.Full: pass
+    def read():
+        total = 0
+        for line in iter(lambda: proc.stdout.readline(_MAX_LINE), b''):
+            total += len(line)
+            if total > _MAX_OUTPUT: put(b'{"flood": 1}'); break
+            put(line)
+        put(None)
+    for f in (feed, drain, read): threading.Thread(target=f, daemon=True).start()
+    return lines, stop, tail
+
+
+# %% ../../nbs/07_replay_files.ipynb #5e689071
 def _run_child(job: dict, mode: str, timeout: float, memory_mb: int):
     "Yield protocol dicts for `job`; failures of a task become {'t', 'error'} and the rest goes on in a new child."
     tasks = job['tasks']; first = 0
     while first < len(tasks):
         sub = dict(job, tasks=tasks[first:])
         cpu = int(math.ceil(timeout * len(sub['tasks']))) + 10
-        cwd = None
-        if mode in ('unshare', 'rlimits', 'none'):
-            import tempfile; cwd = tempfile.mkdtemp(prefix='tmas_ctrl_')
+        cwd = tempfile.mkdtemp(prefix='tmas_ctrl_') if mode in ('unshare', 'rlimits', 'none') else None
         lim = SandboxLimits(memory_mb=int(memory_mb), cpu_s=cpu)
         sb = Sandbox(_child_argv(), lim, mode, env=_child_env('/tmp' if mode == 'bwrap' else cwd), cwd=cwd,
                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         proc = sb.proc
-        tail = []
-        def feed():
-            try: proc.stdin.write(json.dumps(sub).encode()); proc.stdin.close()
-            except (BrokenPipeError, OSError): pass
-        def drain():
-            for line in iter(lambda: proc.stderr.readline(1 << 16), b''):
-                tail.append(line.decode('utf-8', 'replace'))
-                if len(tail) > 50: del tail[:25]
-        lines, stop = queue.Queue(maxsize=256), threading.Event()
-        def put(x):
-            while not stop.is_set():
-                try: lines.put(x, timeout=0.5); return
-                except queue.Full: pass
-        def read():
-            total = 0
-            for line in iter(lambda: proc.stdout.readline(_MAX_LINE), b''):
-                total += len(line)
-                if total > _MAX_OUTPUT: put(b'{"flood": 1}'); break
-                put(line)
-            put(None)
-        for f in (feed, drain, read): threading.Thread(target=f, daemon=True).start()
+        lines, stop, tail = _child_io(proc, sub)
         cur, deadline, failed, finished = None, time.monotonic() + timeout + 30, None, set()
         try:
             while True:
@@ -230,13 +241,14 @@ def _run_child(job: dict, mode: str, timeout: float, memory_mb: int):
             sb.close()
             if cwd: shutil.rmtree(cwd, ignore_errors=True)
         pending = [k for k in range(first, len(tasks)) if k not in finished]
-        if failed is None and not pending: return
+        if not pending: return          # every task ended: a deadline passed after the last end is only the child's exit
         if failed is None:
             time.sleep(0.05)
             failed = _death_cause(proc.returncode, ''.join(tail), memory_mb)
         k = first + cur if cur is not None else pending[0]
         yield {'t': k, 'error': f"{job['filename']}: {failed}"}
         first = k + 1
+
 
 # %% ../../nbs/07_replay_files.ipynb #8045ee23
 def _ours_lists(store) -> list:
@@ -277,7 +289,7 @@ def _replay_authors(record: dict, order: list, log: list, answer):
     cost, seen = replay_log(record['each_branch'], order, record['probe_freq'], log)
     return cost, isinstance(answer, str) and answer in seen
 
-# %% ../../nbs/07_replay_files.ipynb #7b3c6e50
+# %% ../../nbs/07_replay_files.ipynb #e1a50c9e
 _RECORDS: dict = {}
 
 def _records_of(store):
@@ -294,10 +306,13 @@ def _enforcement(mode: str) -> str:
     from tmas_nb.sandbox import limits_enforcement
     return 'none' if mode == 'none' else limits_enforcement()
 
+
+# %% ../../nbs/07_replay_files.ipynb #b092c9d7
 def _failed(name, store, seeds, api, err, mode):
     nan = float('nan')
-    return dict(controller=name, store=store.name, acc=nan, avg_tokens=nan, ci_low=nan, ci_high=nan, seeds=len(seeds),
-                error=err, api=api, sandbox=mode, limits=_enforcement(mode), unrevealed=0, seconds=0.0, per_question_acc=[], per_question_tokens=[])
+    return dict(controller=name, store=store.name, acc=nan, avg_tokens=nan, ci_low=nan, ci_high=nan, acc_std=nan, seeds=len(seeds),
+                error=err, api=api, sandbox=mode, limits=_enforcement(mode), unrevealed=0, seconds=0.0, per_question_acc=[],
+                per_question_tokens=[])
 
 def _sandbox_settings(settings, given: dict):
     "`settings` (a `SandboxSettings`, default: its defaults) with the fields in `given` replaced; unknown names are an error."
@@ -307,90 +322,149 @@ def _sandbox_settings(settings, given: dict):
     if bad: raise TypeError(f"unknown sandbox setting(s) {', '.join(bad)}; SandboxSettings has {', '.join(sorted(names))}")
     return replace(settings or SandboxSettings(), **given)
 
-def _evaluate_configs(path, class_name, configs, store, seeds, s: SandboxSettings, n_boot=2000):
+
+# %% ../../nbs/07_replay_files.ipynb #09ac4917
+class _Tally:
+    "Per (configuration, seed, question) correctness and cost, rebuilt from the children's action logs."
+    def __init__(self, path, store, configs, seeds, static_api, keep_logs=False):
+        import numpy as np
+        self.path, self.store, self.seeds, self.keep_logs = path, store, seeds, keep_logs
+        K, S, Q = len(configs), len(seeds), store.n_questions
+        self.pos = {s: i for i, s in enumerate(seeds)}
+        self.correct, self.cost = np.zeros((K, S, Q), bool), np.zeros((K, S, Q))
+        self.unrevealed, self.got = np.zeros(K, int), np.zeros((K, S), bool)
+        self.errors, self.api = [None] * K, [static_api] * K
+        self.orders, self.logs = {}, [None] * K
+        self.records = _records_of(store)[0]
+        self.ours = _ours_lists(store) if static_api != 'authors' else None
+        self.vid = [{a: i for i, a in enumerate(v)} for v in store.vocab]
+
+
+# %% ../../nbs/07_replay_files.ipynb #797b67c7
+@patch
+def add(self:_Tally, m: dict) -> None:
+    "Apply one protocol message of a child."
+    if 'api' in m and 't' not in m: self.api = [m['api']] * len(self.api); return
+    t = m['t']
+    if 'error' in m:
+        if self.errors[t] is None: self.errors[t] = _one_line(redact(m['error']))
+        return
+    if 's' not in m or self.errors[t] is not None: return
+    try: self._episodes(t, m)
+    except Exception as e:
+        self.errors[t] = _one_line(f"{self.path.name}: the action log of seed {m['s']} does not replay on the store: {type(e).__name__}: {e}")
+
+@patch
+def _episodes(self:_Tally, t: int, m: dict) -> None:
+    st, Q = self.store, self.store.n_questions
+    i = self.pos[m['s']]
+    if len(m['a']) != Q or len(m['l']) != Q: raise ValueError(f"{len(m['a'])} answers for {Q} questions")
+    self.got[t, i] = True
+    if m['s'] not in self.orders: self.orders[m['s']] = st.orders([m['s']])[0].tolist()
+    for q, (ans, log) in enumerate(zip(m['a'], m['l'])):
+        order = self.orders[m['s']][q][:len(self.records[q]['each_branch'])]
+        if self.api[t] == 'authors': c, rev = self._authors(q, order, log, ans)
+        else:
+            if self.ours is None: self.ours = _ours_lists(st)
+            c, seen = replay_ours_log(self.ours[q][0], order, self.ours[q][1], log)
+            rev = isinstance(ans, str) and any(st.vocab[q][a] == ans for a in seen if a >= 0)
+        self.cost[t, i, q] = c
+        self.correct[t, i, q] = rev and ans == st.gold_answers[q]
+        self.unrevealed[t] += isinstance(ans, str) and not rev
+    if self.keep_logs and i == 0: self.logs[t] = [(a, l) for a, l in zip(m['a'], m['l'])]
+
+
+# %% ../../nbs/07_replay_files.ipynb #f6218e29
+@patch
+def _authors(self:_Tally, q: int, order: list, log: list, ans) -> tuple[int, bool]:
+    "(tokens charged, answer revealed) of an authors'-API log on question `q`."
     import numpy as np
-    path = Path(path)
-    api, timeout, memory_mb, jobs, sandbox, stateless = s.api, s.timeout, s.memory_mb, s.jobs, s.sandbox, s.stateless
-    if not path.is_file(): raise FileNotFoundError(f"controller file {path} does not exist")
-    seeds = [int(s) for s in seeds]
-    if not seeds: raise ValueError("seeds must not be empty")
-    configs = [dict(c or {}) for c in configs]
-    for c in configs: json.dumps(c)
-    mode = sandbox_mode() if sandbox else 'none'
-    names = [f"{path.name}:{class_name}:{json.dumps(c, sort_keys=True)}" for c in configs]
-    source = path.read_text(encoding='utf-8', errors='replace')
-    err = check_controller_source(source, class_name, path.name)
-    if err: return [_failed(n, store, seeds, api, err, mode) for n in names]
-    static_api = static_api_of(source, class_name) if api == 'auto' else api
+    from tmas_nb.replay.fast import authors_log_kernel
+    st = self.store
+    if any(not isinstance(a, int) or isinstance(a, bool) for a in log): raise ValueError("unknown action in the action log")
+    seen = np.zeros(len(st.vocab[q]) + 1, np.bool_)
+    cost, bad = authors_log_kernel(np.asarray(log, np.int64), np.asarray(order, np.int64), st.probes[q], st.n_probes[q], st.finals[q],
+                                   st.tokens[q], int(st.probe_freq[q]), seen)
+    if bad >= 0: raise ValueError(f"Index out of range for branches (action {bad} of question {q})")
+    a = self.vid[q].get(ans, -1) if isinstance(ans, str) else -1
+    return int(cost), bool(a >= 0 and seen[a])
+
+
+# %% ../../nbs/07_replay_files.ipynb #9a75c800
+@patch
+def results(self:_Tally, names: list, mode: str, secs: float, n_boot: int = 2000) -> list[dict]:
+    "One result dict per configuration."
+    from tmas_nb.replay.evaluation import bootstrap_ci     # imported after the children ran: it loads pandas and SciPy
+    out, S = [], len(self.seeds)
+    for k, n in enumerate(names):
+        if self.errors[k] is None and not self.got[k].all():
+            self.errors[k] = f"{self.path.name}: no results for {int((~self.got[k]).sum())} of {S} seeds"
+        if self.errors[k] is not None:
+            r = _failed(n, self.store, self.seeds, self.api[k], self.errors[k], mode); r['seconds'] = secs; out.append(r); continue
+        pq = self.correct[k].mean(axis=0); lo, hi = bootstrap_ci(pq, n_boot=n_boot); per_seed = 100 * self.correct[k].mean(axis=1)
+        r = dict(controller=n, store=self.store.name, acc=float(per_seed.mean()), avg_tokens=float(self.cost[k].mean(axis=1).mean()),
+                 ci_low=100 * lo, ci_high=100 * hi, acc_std=float(per_seed.std()), seeds=S, error=None, api=self.api[k], sandbox=mode,
+                 limits=_enforcement(mode), unrevealed=int(self.unrevealed[k]), seconds=secs,
+                 per_question_acc=(100 * pq).tolist(), per_question_tokens=self.cost[k].mean(axis=0).tolist())
+        if self.keep_logs: r.update(trace_seed=self.seeds[0], trace_api=self.api[k], trace_logs=self.logs[k])
+        out.append(r)
+    return out
+
+
+# %% ../../nbs/07_replay_files.ipynb #1daee4df
+def _seed_chunks(path, seeds, jobs, static_api, stateless) -> list:
+    "The seeds of each child: one chunk unless the controller is stateless (ours, or `stateless`)."
     jobs = max(1, min(int(jobs or 1), len(seeds)))
     if jobs > 1 and static_api != 'ours' and not stateless:
         warnings.warn(f"{path.name}: authors'-API controllers are evaluated in one job (one instance serves all seeds, as in the "
                       "authors' evaluator); pass stateless=True / --stateless to split seeds over jobs", RuntimeWarning)
         jobs = 1
-    chunks = [seeds[i::jobs] for i in range(jobs)] if jobs > 1 else [seeds]
-    chunks = [sorted(c) for c in chunks]
-    records_gold, nogold = _records_of(store)
-    t0 = time.perf_counter()
-    S, Q = len(seeds), store.n_questions; pos = {s: i for i, s in enumerate(seeds)}
-    correct = np.zeros((len(configs), S, Q), bool); cost = np.zeros((len(configs), S, Q)); unrevealed = np.zeros(len(configs), int)
-    errors: list = [None] * len(configs); used_api = [static_api] * len(configs); got = np.zeros((len(configs), S), bool)
-    msgs, orders = queue.Queue(), {}
-    ours_lists = _ours_lists(store) if static_api != 'authors' else None
+    return [sorted(seeds[i::jobs]) for i in range(jobs)] if jobs > 1 else [seeds]
+
+def _evaluate_configs(path, class_name, configs, store, seeds, s: SandboxSettings, n_boot=2000, keep_logs=False):
+    path = Path(path)
+    if not path.is_file(): raise FileNotFoundError(f"controller file {path} does not exist")
+    seeds = [int(x) for x in seeds]
+    if not seeds: raise ValueError("seeds must not be empty")
+    configs = [dict(c or {}) for c in configs]
+    for c in configs: json.dumps(c)
+    mode = sandbox_mode() if s.sandbox else 'none'
+    names = [f"{path.name}:{class_name}:{json.dumps(c, sort_keys=True)}" for c in configs]
+    source = path.read_text(encoding='utf-8', errors='replace')
+    err = check_controller_source(source, class_name, path.name)
+    if err: return [_failed(n, store, seeds, s.api, err, mode) for n in names]
+    static_api = static_api_of(source, class_name) if s.api == 'auto' else s.api
+    chunks = _seed_chunks(path, seeds, s.jobs, static_api, s.stateless)
+    nogold = _records_of(store)[1]
+    t0 = time.perf_counter(); msgs = queue.Queue()
+    tally = _Tally(path, store, configs, seeds, static_api, keep_logs)
     def worker(chunk):
-        job = dict(filename=path.name, source=source, class_name=class_name, api=api, records=nogold,
+        job = dict(filename=path.name, source=source, class_name=class_name, api=s.api, records=nogold,
                    tasks=[{'config': c, 'seeds': chunk} for c in configs])
         try:
-            for m in _run_child(job, mode, timeout, memory_mb): msgs.put(m)
+            for m in _run_child(job, mode, s.timeout, s.memory_mb): msgs.put(m)
         except Exception as e: msgs.put({'t': 0, 'error': _one_line(f"{path.name}: evaluation failed: {type(e).__name__}: {e}")})
         msgs.put(None)
-    threads = [threading.Thread(target=worker, args=(c,), daemon=True) for c in chunks]
-    for th in threads: th.start()
+    for c in chunks: threading.Thread(target=worker, args=(c,), daemon=True).start()
     done = 0
-    while done < len(threads):
+    while done < len(chunks):
         m = msgs.get()
-        if m is None: done += 1; continue
-        if 'api' in m and 't' not in m: used_api = [m['api']] * len(configs); continue
-        t = m['t']
-        if 'error' in m:
-            if errors[t] is None: errors[t] = _one_line(redact(m['error']))
-            continue
-        if 's' not in m or errors[t] is not None: continue
-        try:
-            i = pos[m['s']]; a_api = used_api[t]
-            if len(m['a']) != Q or len(m['l']) != Q: raise ValueError(f"{len(m['a'])} answers for {Q} questions")
-            got[t, i] = True
-            if m['s'] not in orders: orders[m['s']] = store.orders([m['s']])[0].tolist()
-            for q, (ans, log) in enumerate(zip(m['a'], m['l'])):
-                order = orders[m['s']][q][:len(records_gold[q]['each_branch'])]
-                if a_api == 'authors': c, rev = _replay_authors(records_gold[q], order, log, ans)
-                else:
-                    if ours_lists is None: ours_lists = _ours_lists(store)
-                    c, seen = replay_ours_log(ours_lists[q][0], order, ours_lists[q][1], log)
-                    rev = isinstance(ans, str) and any(store.vocab[q][a] == ans for a in seen if a >= 0)
-                cost[t, i, q] = c
-                correct[t, i, q] = rev and ans == store.gold_answers[q]
-                unrevealed[t] += isinstance(ans, str) and not rev
-        except Exception as e:
-            errors[t] = _one_line(f"{path.name}: the action log of seed {m['s']} does not replay on the store: {type(e).__name__}: {e}")
-    secs = time.perf_counter() - t0
-    from tmas_nb.replay.evaluation import bootstrap_ci     # imported after the children ran: it loads pandas and SciPy
-    out = []
-    for k, n in enumerate(names):
-        if errors[k] is None and not got[k].all():
-            errors[k] = f"{path.name}: no results for {int((~got[k]).sum())} of {S} seeds"
-        if errors[k] is not None:
-            r = _failed(n, store, seeds, used_api[k], errors[k], mode); r['seconds'] = secs; out.append(r); continue
-        pq = correct[k].mean(axis=0); lo, hi = bootstrap_ci(pq, n_boot=n_boot)
-        out.append(dict(controller=n, store=store.name, acc=float(100 * correct[k].mean(axis=1).mean()),
-                        avg_tokens=float(cost[k].mean(axis=1).mean()), ci_low=100 * lo, ci_high=100 * hi, seeds=S, error=None,
-                        api=used_api[k], sandbox=mode, limits=_enforcement(mode), unrevealed=int(unrevealed[k]), seconds=secs,
-                        per_question_acc=(100 * pq).tolist(), per_question_tokens=cost[k].mean(axis=0).tolist()))
-    return out
+        if m is None: done += 1
+        else: tally.add(m)
+    return tally.results(names, mode, time.perf_counter() - t0, n_boot)
 
+
+# %% ../../nbs/07_replay_files.ipynb #1dec34b4
 def evaluate_file(path, class_name: str, config: dict | None, store: ReplayStore, seeds=range(100),
                   settings: SandboxSettings | None = None, **sandbox) -> dict:
     "Evaluate class `class_name` of file `path` with `config` on `store`, sandboxed by `settings` (or its fields as keywords: api, timeout, memory_mb, jobs, sandbox, stateless); errors are in `error`."
     return _evaluate_configs(path, class_name, [config], store, seeds, _sandbox_settings(settings, sandbox))[0]
+
+def evaluate_file_configs(path, class_name: str, configs: list, store: ReplayStore, seeds=range(100),
+                          settings: SandboxSettings | None = None, keep_logs: bool = False, **sandbox) -> list[dict]:
+    "One result per configuration on `store` (one child per job serves them all); `keep_logs` adds the first seed's answers and action logs."
+    if not configs: raise ValueError("configs must not be empty")
+    return _evaluate_configs(path, class_name, configs, store, seeds, _sandbox_settings(settings, sandbox), keep_logs=keep_logs)
 
 def evaluate_file_grid(path, class_name: str, configs: list, stores: list, seeds=range(100),
                        settings: SandboxSettings | None = None, progress: bool = False, **sandbox):
@@ -403,5 +477,7 @@ def evaluate_file_grid(path, class_name: str, configs: list, stores: list, seeds
         for c, r in zip(configs, _evaluate_configs(path, class_name, configs, st, seeds, s)):
             r = {k: v for k, v in r.items() if not k.startswith('per_question')}
             r['config'] = json.dumps(c, sort_keys=True); rows.append(r)
-    cols = ['store', 'controller', 'config', 'acc', 'avg_tokens', 'ci_low', 'ci_high', 'seeds', 'error', 'api', 'sandbox', 'limits', 'unrevealed', 'seconds']
+    cols = ['store', 'controller', 'config', 'acc', 'avg_tokens', 'ci_low', 'ci_high', 'acc_std', 'seeds', 'error', 'api', 'sandbox',
+            'limits', 'unrevealed', 'seconds']
     return pd.DataFrame(rows)[cols]
+
