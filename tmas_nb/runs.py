@@ -13,6 +13,7 @@ from typing import Any, Sequence
 from .core import LOCK_FILE, atomic_write_bytes, atomic_write_json, folder_lock, lock_holder
 from .methods import (METHODS, RECORD_COLUMNS, MethodConfig, make_method, read_checkpoints, records_frame,
                              run_method)
+from .replay.live_run import LIVE_FLAG_FIELDS, ControllerMethod, controller_cli
 
 # %% auto #0
 __all__ = ['RUN_FILES', 'FINISHED_FILES', 'BANK_COLUMNS', 'IDENTITY_KEYS', 'TMAS_VARIANTS', 'PAPER_TOKEN_BUDGET', 'PRESETS',
@@ -448,6 +449,8 @@ _FLAG_FIELDS = {'n_candidates': 'n-candidates', 'n_verifications': 'n-verificati
                 'epsilon': 'epsilon', 'seed': 'seed', 'max_new_tokens': 'max-new-tokens',
                 'temperature': 'temperature', 'top_p': 'top-p', 'top_k': 'top-k',
                 'answer_from_truncated': 'answer-from-truncated'}
+_FLAG_FIELDS.update(LIVE_FLAG_FIELDS)   # --method controller
+METHODS.setdefault(ControllerMethod.name, ControllerMethod)
 
 PAPER_TOKEN_BUDGET = 128_000
 "TMAS's released settings: up to 128k output tokens per call (capped by the model's context at run time)."
@@ -611,6 +614,7 @@ def run_cli(p) -> None:
     p.add_argument('--config', default=None, help='JSON file of method settings (or a run\'s config.json)')
     p.add_argument('--out', required=True, help='the run folder')
     p.add_argument('--quiet', action='store_true', help='no progress bar')
+    controller_cli(p)
     p.set_defaults(func=_cmd_run)
 
 def summary_cli(s) -> None:
