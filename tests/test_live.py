@@ -12,10 +12,10 @@ from tmas_nb.replay.controllers import parse_controller
 from tmas_nb.replay.environment import ReplayEnv
 from tmas_nb.replay.live import LiveAuthorsQuestion, LiveEnv, LiveModel
 from tmas_nb.replay.live_files import SandboxedController
-from tmas_nb.replay.live_run import ControllerConfig, ControllerMethod
+from tmas_nb.replay.live_run import ControllerConfig, open_controller
 from tmas_nb.replay.files import ControllerError
 
-S = BuildSettings(branches=4, probe_every=8, max_new_tokens=24, seed=1)
+S = BuildSettings(branches=4, probe_every=8, max_new_tokens=16, seed=1)
 SPECS = ['sc:k=4', 'asc:max_samples=4', 'esc:max_samples=4,window=2', 'pp:num_chains=4,warm_up=1,prune_patience=1,T=2',
          'cmc:beta=0.5', 'cmc:beta=1']
 
@@ -39,7 +39,7 @@ def live_env(lm, probs, width=4, lookahead=1):
     return LiveEnv(question=0, live=lm, text=probs[0].question, width=width, lookahead=lookahead)
 
 
-@pytest.mark.parametrize('width,lookahead,specs', [(4, 1, SPECS), (1, 2, SPECS[-3:])])
+@pytest.mark.parametrize('width,lookahead,specs', [(4, 1, SPECS), (2, 2, ['cmc:beta=1'])])
 def test_live_equals_replay_of_the_built_store(built, width, lookahead, specs):
     st, probs, lm = built
     for spec in specs:
@@ -55,14 +55,6 @@ def test_live_equals_replay_of_the_built_store(built, width, lookahead, specs):
         if spec.startswith(('pp', 'cmc')): assert u['probe_tokens'] > 0 and u['probe_calls'] > 0
 
 
-def test_another_seed_gives_another_episode(built):
-    st, probs, lm = built
-    other = LiveModel((lm.model, lm.tok), BuildSettings(**{**S.to_dict(), 'seed': 2}))
-    a, b = live_env(lm, probs), live_env(other, probs)
-    parse_controller('sc:k=4').run(a); parse_controller('sc:k=4').run(b)
-    assert a.gen != b.gen
-
-
 def test_advancing_branches_is_one_batched_step(built):
     st, probs, lm = built
     env = live_env(lm, probs, width=4)
@@ -71,14 +63,18 @@ def test_advancing_branches_is_one_batched_step(built):
     assert env.decode_calls <= S.max_new_tokens // S.probe_every and env.probe_calls <= 1
     one = live_env(lm, probs, width=1)
     for _ in range(4): one.read_whole_id()
-    assert one.decode_calls > env.decode_calls and one.cost == env.cost
+    assert one.decode_calls > env.decode_calls and one.cost == env.cost and one.gen == env.gen
+    other = LiveModel((lm.model, lm.tok), BuildSettings(**{**S.to_dict(), 'seed': 2}))    # another run seed, other branches
+    b = live_env(other, probs, width=4)
+    for _ in range(4): b.read_whole_id()
+    assert b.gen != env.gen
 
 
 def test_authors_api_live_equals_replay(built):
     st, probs, lm = built
     install_authors_shims()
     rec = store_records(st)[0]
-    for name, cfg in [('authors_sc', {'k': 4}), ('authors_asc', {}), ('authors_cmc', {'beta': 0.5})]:
+    for name, cfg in [('authors_sc', {'k': 4}), ('authors_cmc', {'beta': 0.5})]:
         cls_name, code = example_controller(name)
         ns = {}; exec(code, ns)
         q_rep = AuthorsQuestion(rec, 0); q_rep._branches = list(rec['each_branch'])   # the stored order, which live opens in
@@ -101,36 +97,36 @@ def test_sandboxed_files_live(built, tmp_path):
     spy = ("import os, socket\nclass Spy:\n    def run(self, env):\n"
            "        try: socket.create_connection(('1.1.1.1', 80), timeout=2); net = 'open'\n"
            "        except OSError: net = 'closed'\n"
+           "        if env.question == 1: return env.live.model\n"
            "        i, a, f = env.branch()\n"
            "        return '|'.join([net, str(sorted(os.environ)), str(hasattr(env, 'live')), str(a is None or isinstance(a, str))])\n")
     (tmp_path / 'spy.py').write_text(spy)
     with SandboxedController(tmp_path / 'spy.py', 'Spy') as ctl:
         net, env_vars, has_live, ok = ctl.run(live_env(lm, probs)).split('|')
+        with pytest.raises(ControllerError, match="spy.py: AttributeError.*'EnvProxy' object has no attribute 'live'"):
+            e = live_env(lm, probs); e.question = 1; ctl.run(e)    # the same child, next question: reaching for the model fails
     assert (net, has_live, ok) == ('closed', 'False', 'True')
     assert 'TMAS_DATA_DIR' not in env_vars
-    (tmp_path / 'bad.py').write_text("class Bad:\n    def run(self, env):\n        return env.live.model\n")
-    with SandboxedController(tmp_path / 'bad.py', 'Bad') as ctl:
-        with pytest.raises(ControllerError, match='bad.py: AttributeError'): ctl.run(live_env(lm, probs))
 
 
-def test_discovery_folder_runs_its_selected_controller(built, tmp_path):
-    st, probs, lm = built
+def test_discovery_folder_names_its_selected_controller(tmp_path):
     cls_name, code = example_controller('authors_cmc')
     (tmp_path / 'round_000').mkdir()
     (tmp_path / 'round_000' / 'controller.py').write_text(code.replace(f'class {cls_name}', 'class DiscoveredController'))
+    (tmp_path / 'rounds.jsonl').write_text(json.dumps({'round': 0, 'status': 'ok', 'score': 0.1}) + '\n')
+    ctl, desc = open_controller(ControllerConfig(controller=f'discovery:{tmp_path}'))
+    assert (ctl.config, ctl.class_name) == ({'beta': 0.5}, 'DiscoveredController') and 'no selection.json' in desc['chosen_by']
     (tmp_path / 'selection.json').write_text(json.dumps({'round': 0, 'beta': 1.0, 'acc': 0.0, 'avg_tokens': 0.0}))
-    m = ControllerMethod(ControllerConfig(controller=f'discovery:{tmp_path}', branches=4, probe_every=8, max_new_tokens=24, seed=1))
-    a, usage, desc = m.solve(lm, 0, probs[0].question)
-    ref = live_env(lm, probs); a_ref = parse_controller('cmc:beta=1').run(ref)
-    assert (a, usage['tokens_charged']) == (a_ref, ref.cost)
-    assert desc['chosen_by'] == 'selection.json (round 0, beta 1.0)'
-    m._file[0].close()
+    ctl, desc = open_controller(ControllerConfig(controller=f'discovery:{tmp_path}'))
+    assert ctl.config == {'beta': 1.0} and desc['chosen_by'] == 'selection.json (round 0, beta 1.0)'
+    with pytest.raises(FileNotFoundError, match='neither selection.json nor rounds.jsonl'):
+        open_controller(ControllerConfig(controller=f'discovery:{tmp_path / "round_000"}'))
 
 
 def tmas(*args, **kw):
     env = {**os.environ, 'OMP_NUM_THREADS': '1'}
     return subprocess.Popen([sys.executable, '-m', 'tmas_nb.cli', *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **kw)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, **kw)
 
 
 def test_run_method_controller_resumes_after_kill(tmp_path):
@@ -142,7 +138,7 @@ def test_run_method_controller_resumes_after_kill(tmp_path):
     first = out / 'checkpoints'
     deadline = time.time() + 300
     while time.time() < deadline and p.poll() is None and not any(first.glob('*/iter_0.json')): time.sleep(0.05)
-    if p.poll() is None: p.send_signal(signal.SIGKILL)
+    if p.poll() is None: os.killpg(p.pid, signal.SIGKILL)       # kill -9 of the run and of any worker it started
     p.wait()
     done = sorted(first.glob('*/iter_0.json'))
     assert done, p.stderr.read()
@@ -150,8 +146,8 @@ def test_run_method_controller_resumes_after_kill(tmp_path):
     p = tmas(*args); _, err = p.communicate(timeout=300)
     assert p.returncode == 0, err
     assert all(f.stat().st_mtime_ns == t for f, t in stamps.items())       # a question done before the kill is not redone
-    p = tmas('runs', 'summary', str(out), '--json'); o, err = p.communicate(timeout=120)
-    s = json.loads(o)
+    from tmas_nb.runs import load_run
+    s = load_run(out).summary()                      # what `tmas runs summary` prints
     assert (s['problems'], s['complete']) == (2, True) and set(s['tokens_by_role']) == {'branch', 'probe'}
     import pandas as pd
     df = pd.read_parquet(out / 'records.parquet')
@@ -159,3 +155,14 @@ def test_run_method_controller_resumes_after_kill(tmp_path):
         u = json.loads(r.summary)
         assert u['controller'] == 'sc:k=2' and u['branches_opened'] == 2 and r.completion_tokens == u['tokens_generated'] + u['probe_tokens']
         assert r.wall_s > 0
+
+
+@pytest.mark.slow
+def test_live_controllers_report(tmp_path):
+    """The report end to end on SmolLM2 with tiny sizes (minutes on a busy CPU: run with --runslow)."""
+    from tmas_nb.reporting import run_report
+    d = run_report('live_controllers', tmp_path, dict(model='smollm2', problems=1, branches=2, probe_every=8, max_new_tokens=16,
+                                                     repeats=1, threads=1), progress=False)
+    s = json.loads((d / 'summary.json').read_text())
+    assert s['agreement'] == 100.0 and 0 < s['control_overhead'] < 10
+    assert (d / 'live_controllers.png').stat().st_size > 10_000
