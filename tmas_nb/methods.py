@@ -664,6 +664,7 @@ async def run_method(method: str | Method, problems: Sequence[Problem], llm: LLM
     dup = sorted({i for i in ids if ids.count(i) > 1})
     if dup: raise ValueError(f"run_method: problem ids must be unique; repeated: {dup[:5]}")
     Path(run_dir).mkdir(parents=True, exist_ok=True)
+    if hasattr(m, 'bind_problems'): m.bind_problems(problems)   # a method that numbers the run's problems (controller)
     bar = tqdm(total=len(problems) * m.n_iterations, desc=f'{m.name} ({len(problems)} problems)',
                unit='problem-iteration', disable=not progress)
     sem = asyncio.Semaphore(concurrency)

@@ -13,6 +13,7 @@ from .llm.roles import RoleRouter
 from .methods import DISTILL_CONTEXT, METHODS, MethodConfig, make_method, run_method
 from .presets import PAPER_TOKEN_BUDGET, PRESETS, PROTOCOLS, OWN_PAPER, JUDGE_HINT, preset_values
 from .settings import ModelSettings, OutputSettings, add_settings, read_json, resolve
+from .replay.live_run import LIVE_FLAG_FIELDS, ControllerMethod, controller_cli
 from .run_folder import (
     RUN_FILES, FINISHED_FILES, BANK_COLUMNS, IDENTITY_KEYS, TMAS_VARIANTS, record_schema, bank_schema,
     write_parquet, versions, RunConfigMismatch, run_config, check_run_folder, prepare_run_dir, collect_run,
@@ -284,7 +285,8 @@ def parse_role_endpoints(given, where: str) -> dict:
 
 # %% ../nbs/24_runs.ipynb #760bff0a
 _FLAG_FIELDS = ('n_candidates', 'n_verifications', 'iterations', 'epsilon', 'seed', 'max_new_tokens', 'temperature', 'top_p',
-                'top_k', 'answer_from_truncated')
+                'top_k', 'answer_from_truncated', *LIVE_FLAG_FIELDS)
+METHODS.setdefault(ControllerMethod.name, ControllerMethod)   # --method controller (tmas_nb.replay.live_run)
 "Method settings that are flags of `tmas run`."
 
 def _backend_kw(args, ms: ModelSettings) -> dict:
@@ -417,6 +419,7 @@ def run_cli(p) -> None:
     p.add_argument('--concurrency', type=int, default=4, help='problems run at the same time')
     p.add_argument('--config', default=None, help="JSON file of method settings (or a run's config.json); may hold role_endpoints")
     add_settings(p, OutputSettings, skip=('json',), title='output')
+    controller_cli(p)
     p.set_defaults(func=_cmd_run)
 
 # %% ../nbs/24_runs.ipynb #9428eea6

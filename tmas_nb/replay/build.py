@@ -24,9 +24,10 @@ from ..llm.transformers_backend import (_cache_arg, _prefill, _row_sampler_class
 from .store import ReplayStore, load_store_file
 
 # %% auto #0
-__all__ = ['NO_ANSWER', 'PROBE_SUFFIX', 'store_answer', 'probe_reading', 'BuildSettings', 'probe_batch', 'Branch', 'branch_seeds',
-           'prompt_ids', 'sample_branches', 'parts_dir', 'sidecar_path', 'question_record', 'ServerSettings',
-           'build_store', 'server_branch_seeds', 'ServerBranches', 'build_cli']
+__all__ = ['NO_ANSWER', 'PROBE_SUFFIX', 'store_answer', 'box_end', 'probe_reading', 'BuildSettings', 'probe_batch', 'Branch',
+           'branch_seeds', 'prompt_ids', 'Rows', 'start_rows', 'keep_rows', 'branch_picker', 'decode_rows',
+           'sample_branches', 'parts_dir', 'sidecar_path', 'question_record', 'ServerSettings', 'build_store',
+           'server_branch_seeds', 'ServerBranches', 'build_cli']
 
 # %% ../../nbs/08_replay_build.ipynb #e5f5ed91
 NO_ANSWER = 'ERR'
@@ -43,11 +44,22 @@ def store_answer(ans) -> str:
 # %% ../../nbs/08_replay_build.ipynb #af68f604
 PROBE_SUFFIX = '\n\n**Final answer:** \\boxed{'
 
+def box_end(suffix: str, reply: str) -> int | None:
+    "Where a probe's reply ends: just after the brace that closes the box the suffix left open (None while it is open)."
+    depth = max(1, suffix.count('{') - suffix.count('}'))
+    for k, ch in enumerate(reply):
+        depth += (ch == '{') - (ch == '}')
+        if depth == 0: return k + 1
+    return None
+
+# %% ../../nbs/08_replay_build.ipynb #82ca424a
 def probe_reading(suffix: str, reply: str) -> str:
-    "The answer read off a probe: `suffix + reply` through the boxed-answer extraction, `'ERR'` when unreadable."
-    text = suffix + reply
-    if '\\boxed{' in suffix and '}' not in reply: return NO_ANSWER
-    return store_answer(extract_answer(text))
+    "The answer read off a probe: `suffix + reply` up to the box's closing brace, through the boxed-answer extraction; `'ERR'` when unreadable."
+    if '\\boxed{' in suffix:
+        end = box_end(suffix, reply)
+        if end is None: return NO_ANSWER
+        reply = reply[:end]
+    return store_answer(extract_answer(suffix + reply))
 
 # %% ../../nbs/08_replay_build.ipynb #dc18cbf9
 @dataclass
@@ -82,22 +94,26 @@ class BuildSettings:
 def _forward(model, ids, mask, pos, cache):
     return model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{_cache_arg(model): cache})
 
-def probe_batch(model, tok, cache, mask, suffix_ids: list[int], n_tokens: int, suffix: str) -> list[str]:
-    "Append `suffix_ids` to every row, decode `n_tokens` greedily, read the answers, and crop the cache back."
+def probe_batch(model, tok, cache, mask, suffix_ids: list[int], n_tokens: int, suffix: str, counts: list | None = None) -> list[str]:
+    "Append `suffix_ids` to every row, decode up to `n_tokens` greedily (a row stops at its box's closing brace), read the answers, crop the cache back; `counts` gets each row's decoded tokens."
     import torch
     L0, n, S = cache.get_seq_length(), mask.shape[0], len(suffix_ids)
     ids = torch.tensor([suffix_ids] * n, device=mask.device)
     pos = mask.sum(-1, keepdim=True) + torch.arange(S, device=mask.device)[None]
     m = torch.cat([mask, mask.new_ones((n, S))], dim=1)
     logits = _forward(model, ids, m, pos, cache).logits[:, -1, :]
-    out = [[] for _ in range(n)]
+    out, open_ = [[] for _ in range(n)], [True] * n
     for j in range(n_tokens):
+        for r, v in enumerate(logits.argmax(-1).tolist()):
+            if not open_[r]: continue
+            out[r].append(v)
+            open_[r] = box_end(suffix, tok.decode(out[r], skip_special_tokens=True)) is None
+        if j == n_tokens - 1 or not any(open_): break
         t = logits.argmax(-1)
-        for r, v in enumerate(t.tolist()): out[r].append(v)
-        if j == n_tokens - 1 or all('}' in tok.decode(o, skip_special_tokens=True) for o in out): break
         m = torch.cat([m, m.new_ones((n, 1))], dim=1)
         logits = _forward(model, t[:, None], m, m.sum(-1, keepdim=True) - 1, cache).logits[:, -1, :]
     cache.crop(-(cache.get_seq_length() - L0))   # a negative count removes that many positions
+    if counts is not None: counts.extend(len(o) for o in out)
     return [probe_reading(suffix, tok.decode(o, skip_special_tokens=True)) for o in out]
 
 # %% ../../nbs/08_replay_build.ipynb #b57f1959
@@ -141,43 +157,82 @@ def _final_answer(tok, ids: list[int], n_prompt: int, max_new_tokens: int, ends)
     c = finish_sequence(tok, ids, Request.from_prompt('x', max_new_tokens=max_new_tokens), n_prompt, ends)
     return store_answer(extract_answer(c.text or c.raw))
 
-# %% ../../nbs/08_replay_build.ipynb #ee976f98
+# %% ../../nbs/08_replay_build.ipynb #e21dc270
+@dataclass
+class Rows:
+    "Branches of one prompt that decode together: their KV cache, last logits and mask; every row holds `n` generated tokens."
+    cache: object
+    logits: object
+    mask: object
+    branches: list[int]   # the branch of each row
+    n: int = 0
+
+# %% ../../nbs/08_replay_build.ipynb #aff0f1dd
+def start_rows(model, prompt_ids: list[int], branches, dev) -> Rows:
+    "One prefill of the prompt, copied to a row per branch of `branches`."
+    cache, logits, mask = _prefill_rows(model, prompt_ids, len(branches), dev)
+    return Rows(cache, logits, mask, list(branches))
+
+# %% ../../nbs/08_replay_build.ipynb #3036f056
+def keep_rows(rows: Rows, keep: list[int]) -> None:
+    "Keep only the rows at positions `keep` of `rows`, in place (an empty `keep` empties it)."
+    import torch
+    if len(keep) == len(rows.branches): return
+    if not keep: rows.branches = []; return
+    k = torch.tensor(keep, device=rows.mask.device)
+    rows.cache.batch_select_indices(k)
+    rows.logits, rows.mask, rows.branches = rows.logits[k], rows.mask[k], [rows.branches[i] for i in keep]
+
+# %% ../../nbs/08_replay_build.ipynb #8368bfdc
+def branch_picker(settings: BuildSettings, seeds: list[int]):
+    "The next-token rule `pick(logits, branches)`: one draw per row from its branch's own generator, greedy at temperature 0."
+    if settings.temperature <= 0: return lambda logits, branches: logits.argmax(-1)
+    return _row_sampler_class()(seeds, settings.temperature, settings.top_k, settings.top_p).pick
+
+# %% ../../nbs/08_replay_build.ipynb #bea59cc9
+def decode_rows(model, rows: Rows, pick, steps: int, ends, gen) -> list[int]:
+    "Decode up to `steps` tokens on every row, appending each to `gen[branch]`; rows that emit an end token leave `rows`, their branches are returned."
+    import torch
+    ended = []
+    for _ in range(steps):
+        if not rows.branches: break
+        nxt = pick(rows.logits, rows.branches)
+        keep = []
+        for i, (b, t) in enumerate(zip(rows.branches, nxt.tolist())):
+            gen[b].append(t)
+            if t in ends: ended.append(b)
+            else: keep.append(i)
+        if len(keep) < len(rows.branches):
+            nxt = nxt[torch.tensor(keep, dtype=torch.long, device=nxt.device)]
+            keep_rows(rows, keep)
+            if not keep: break
+        rows.mask = torch.cat([rows.mask, rows.mask.new_ones((rows.mask.shape[0], 1))], dim=1)
+        rows.logits = _forward(model, nxt[:, None], rows.mask, rows.mask.sum(-1, keepdim=True) - 1, rows.cache).logits[:, -1, :].float()
+        rows.n += 1
+    return ended
+
+# %% ../../nbs/08_replay_build.ipynb #07217965
 def sample_branches(model, tok, prompt_ids: list[int], settings: BuildSettings, seeds: list[int],
                     probe_every: int | None = -1) -> list[Branch]:
     "Sample `len(seeds)` branches of one prompt in one batch, probing every `probe_every` tokens (default: the settings')."
     import torch
     T = settings.probe_every if probe_every == -1 else probe_every
     B, L = len(seeds), settings.max_new_tokens
-    ends = end_token_ids(model, tok)
-    dev = model.device if hasattr(model, 'device') else 'cpu'
+    ends, dev = end_token_ids(model, tok), (model.device if hasattr(model, 'device') else 'cpu')
     suffix_ids = tok.encode(settings.probe_suffix, add_special_tokens=False)
-    sampler = (_row_sampler_class()(seeds, settings.temperature, settings.top_k, settings.top_p)
-               if settings.temperature > 0 else None)
+    pick = branch_picker(settings, seeds)
     gen, probes, finals, reasons = [[] for _ in range(B)], [[] for _ in range(B)], [None] * B, [None] * B
     with torch.inference_mode():
-        cache, logits, mask = _prefill_rows(model, prompt_ids, B, dev)
-        active = list(range(B))
-        for step in range(L):
-            nxt = sampler.pick(logits, active) if sampler is not None else logits.argmax(-1)
-            keep = []
-            for i, (row, t) in enumerate(zip(active, nxt.tolist())):
-                gen[row].append(t)
-                if t in ends: reasons[row] = 'stop'
-                else: keep.append(i)
-            if not keep: break
-            if len(keep) < len(active):
-                k = torch.tensor(keep, device=dev)
-                cache.batch_select_indices(k)
-                mask, nxt, active = mask[k], nxt[k], [active[i] for i in keep]
-            mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
-            logits = _forward(model, nxt[:, None], mask, mask.sum(-1, keepdim=True) - 1, cache).logits[:, -1, :].float()
-            n = step + 1
-            due, last = bool(T) and n % T == 0, n == L
+        rows = start_rows(model, prompt_ids, range(B), dev)
+        while rows.branches and rows.n < L:
+            for b in decode_rows(model, rows, pick, min(T - rows.n % T, L - rows.n) if T else L - rows.n, ends, gen): reasons[b] = 'stop'
+            if not rows.branches: break
+            due, last = bool(T) and rows.n % T == 0, rows.n == L
             if due or last:
-                answers = probe_batch(model, tok, cache, mask, suffix_ids, settings.probe_tokens, settings.probe_suffix)
-                for row, a in zip(active, answers):
-                    if due: probes[row].append(a)
-                    if last: finals[row], reasons[row] = a, 'length'
+                answers = probe_batch(model, tok, rows.cache, rows.mask, suffix_ids, settings.probe_tokens, settings.probe_suffix)
+                for b, a in zip(rows.branches, answers):
+                    if due: probes[b].append(a)
+                    if last: finals[b], reasons[b] = a, 'length'
     return [Branch(gen[b], probes[b], finals[b] if finals[b] is not None else _final_answer(tok, gen[b], len(prompt_ids), L, ends),
                    reasons[b] or 'length') for b in range(B)]
 
