@@ -60,7 +60,8 @@ FLAGS = {
     # data
     '--data-dir': ('the data folder', {'data list', 'data mirror', 'discover', 'replay build', 'replay eval', 'replay grid'}),
     '--benchmark': ('a benchmark: a name or a file (replay: the store of that benchmark)',
-                    {'data hard-subset', 'judge', 'replay build', 'replay eval', 'rl teacher', 'run'}),
+                    {'data hard-subset', 'judge', 'replay build', 'replay eval', 'run'}),
+    '--problems': ('the training problems of `rl teacher`: a benchmark name or a problem file with gold answers', {'rl teacher'}),
     '--benchmarks': ('benchmarks, comma-separated', {'replay grid'}),
     '--models': ('models, comma-separated', {'replay grid'}),
     '--limit': ('only the first K problems', {'data hard-subset', 'replay build', 'rl teacher', 'run'}),
@@ -144,7 +145,6 @@ RENAMED = [
     ('doctor', '--engine', 'batched', 'decode', '--decode'),
     ('data fetch', '--base-url', 'http://127.0.0.1:1', 'mirror', '--mirror'),
     ('replay build', '--concurrency', '4', 'requests_in_flight', '--requests-in-flight'),
-    ('rl teacher', '--problems', 'demo', 'benchmark', '--benchmark'),
 ]
 REQUIRED = {'replay eval': ['--model', 'Qwen3-4B', '--benchmark', 'aime24', '--controller', 'sc:k=4'],
             'replay grid': ['--out', 'g.csv'], 'judge': ['RUN', '--judge', 'smollm2'], 'data fetch': ['autotts'],

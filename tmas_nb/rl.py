@@ -709,6 +709,6 @@ def _cmd_teacher(args) -> int:
 def teacher_cli(p) -> None:
     "The flags of `tmas rl teacher`."
     add_settings(p, TeacherSettings, skip=('benchmark',))
-    renamed_flag(p, '--benchmark', '--problems', dest='benchmark', default=None, help=TeacherSettings.__dataclass_fields__['benchmark'].metadata['help'])
+    p.add_argument('--problems', dest='benchmark', default=None, help=TeacherSettings.__dataclass_fields__['benchmark'].metadata['help'])
     p.add_argument('--quiet', action='store_true', help='no progress bar')
     p.set_defaults(func=_cmd_teacher)
