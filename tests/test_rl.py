@@ -206,7 +206,7 @@ def test_teacher_rows_mix_every_objective(tmp_path):
     from tmas_nb.rl import TeacherSettings, teacher
     problems = tmp_path / 'problems.jsonl'
     problems.write_text(json.dumps({'question_id': 'a', 'question': 'What is 6 times 7?', 'answer': '42'}) + '\n')
-    t = TeacherSettings(model='scripted', benchmark=str(problems), n_candidates=2, n_verifications=1, iterations=2,
+    t = TeacherSettings(model='scripted', problems=str(problems), n_candidates=2, n_verifications=1, iterations=2,
                         max_new_tokens=16, mix='standard=1,exp_util=1,novelty=1', out=str(tmp_path / 't'))
     rows = read_rows(teacher(t, progress=False, llm=ScriptedLLM(REPLIES)))
     assert sorted(r['objective'] for r in rows) == ['exp_util', 'novelty', 'standard']

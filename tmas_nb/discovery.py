@@ -13,6 +13,8 @@ import pandas as pd
 
 from .core import atomic_write_json, atomic_write_text, folder_lock, json_ready
 from .settings import SandboxSettings, add_settings, resolve
+import tmas_nb
+from .sandbox import agent_sandbox, SandboxLimits
 from .llm.core import LLM, Request
 from .replay.store import ReplayStore, load_store, load_store_file
 from .replay.evaluation import evaluate, table_controllers
@@ -524,7 +526,6 @@ for f in sorted((here / 'environment').glob('*/*.json')):
 
 def _copy_package(dest: Path) -> None:
     "The tmas_nb package (code only) for the workspace's evaluation command."
-    import tmas_nb
     src = Path(tmas_nb.__file__).resolve().parent
     shutil.copytree(src, dest / 'tmas_nb', ignore=shutil.ignore_patterns('__pycache__', '*.pyc', 'examples_data'))
 
@@ -551,7 +552,6 @@ def make_workspace(ctx: RoundContext, k: int) -> Path:
 # %% ../nbs/40_discovery.ipynb #07a373b5
 def run_agent(ctx: RoundContext, k: int, d: Path) -> tuple[str | None, list]:
     "Run the agent command on a fresh workspace; returns (its method.py, [a record of the run])."
-    from tmas_nb.sandbox import agent_sandbox, SandboxLimits
     ws = make_workspace(ctx, k); cfg = ctx.cfg
     env = dict(TMAS_ROUND=str(k), TMAS_WORKSPACE=str(ws.resolve()), TMAS_EVAL_CMD=f'{sys.executable} code_base/eval.py',
                PYTHONPATH=str((ws / '.tmas').resolve()))

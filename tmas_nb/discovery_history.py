@@ -4,7 +4,7 @@
 
 # %% ../nbs/40a_discovery_history.ipynb #2d236fb3
 from __future__ import annotations
-import json, math, time
+import json, math, shutil, time
 from collections import Counter
 from pathlib import Path
 
@@ -13,6 +13,7 @@ import pandas as pd
 
 from .core import atomic_write_json, atomic_write_text, json_ready
 from .replay.authors_api import N_CODE, F_CODE
+from .replay.files import _records_of
 
 
 # %% auto #0
@@ -115,7 +116,6 @@ def _problem_trace(record, answer, question_id, trace, tokens, revealed, n_branc
 # %% ../nbs/40a_discovery_history.ipynb #fa9378c3
 def round_traces(store, results: list, betas: list, worst: list = (), max_steps: int = 40, full_steps: int = 400) -> list[dict]:
     "Traces of the first seed, one per (β, question), for the results of one store (one result per β)."
-    from tmas_nb.replay.files import _records_of
     records = _records_of(store)[0]
     out = []
     for beta, r in zip(betas, results):
@@ -194,11 +194,11 @@ def archive_round(out: Path, k: int, code: str, per_store: dict, traces: dict, u
     "Archive round `k` as `code_base/history/rNNNN_<timestamp>_<uid>/` (written aside, then renamed: a folder there is complete)."
     hist = Path(out) / 'code_base' / 'history'; hist.mkdir(parents=True, exist_ok=True)
     for old in hist.glob(f'r{k:04d}_*'):
-        import shutil; shutil.rmtree(old)
+        shutil.rmtree(old)
     stamp = time.strftime('%Y%m%d_%H%M%S', time.gmtime())
     tmp = hist / f'.r{k:04d}.partial'
     if tmp.exists():
-        import shutil; shutil.rmtree(tmp)
+        shutil.rmtree(tmp)
     tmp.mkdir()
     atomic_write_text(tmp / 'method.py', code)
     for name, rows in per_store.items(): write_results(tmp, name, rows, traces.get(name))

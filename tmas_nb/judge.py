@@ -11,12 +11,12 @@ from typing import Sequence
 from .core import atomic_write_json, folder_lock
 from .agents import derive_seed
 from .grading import judge_messages, parse_verdict, answer_kind, clean_answer
-from .run_folder import judge_columns, pass_at_1_by_iteration, grading_label, load_run
+from .run_folder import judge_columns, pass_at_1_by_iteration, grading_label, load_run, write_judge_columns
 from .settings import deprecated_alias
 
 # %% auto #0
-__all__ = ['JUDGE_FILE', 'JUDGE_CACHE', 'SCOPES', 'needs_judge', 'judge_requests', 'judge_records', 'write_judge_columns',
-           'run_questions', 'judge_run', 'load_judge', 'judge_cli']
+__all__ = ['JUDGE_FILE', 'JUDGE_CACHE', 'SCOPES', 'needs_judge', 'judge_requests', 'judge_records', 'run_questions', 'judge_run',
+           'load_judge', 'judge_cli']
 
 # %% ../nbs/25_judge.ipynb #9701d07e
 JUDGE_FILE, JUDGE_CACHE = 'judge.json', 'judge_calls.sqlite'
@@ -62,18 +62,6 @@ async def judge_records(llm, records, questions: dict, runs: int = 4, scope: str
             bar.update(len(part))
     return [[row[k] for row in cols] for k in range(runs)], unparsed, len(todo)
 
-def write_judge_columns(run_dir, verdicts: Sequence[Sequence[bool]]) -> Path:
-    "Replace the `correct_judge<k>` columns of `records.parquet` with `verdicts` (one list per judge run)."
-    import pyarrow as pa, pyarrow.parquet as pq, io
-    from tmas_nb.core import atomic_write_bytes
-    path = Path(run_dir) / 'records.parquet'
-    t = pq.read_table(path)
-    t = t.drop([c for c in t.column_names if c.startswith('correct_judge')])
-    for k, v in enumerate(verdicts):
-        if len(v) != t.num_rows: raise ValueError(f"{path}: {t.num_rows} records but {len(v)} verdicts of judge run {k}")
-        t = t.append_column(f'correct_judge{k}', pa.array(list(map(bool, v)), pa.bool_()))
-    buf = io.BytesIO(); pq.write_table(t, buf)
-    return atomic_write_bytes(path, buf.getvalue())
 
 # %% ../nbs/25_judge.ipynb #f47fc965
 def run_questions(config: dict, benchmark: str | None = None) -> dict:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import pandas as pd
+
 # %% auto #0
 __all__ = ['PAPER_TOKEN_BUDGET', 'TMAS_PAPER', 'RSE_SAMPLING_ROWS', 'PROTOCOLS', 'JUDGE_HINT', 'CPU_DEMO', 'PRESETS', 'OWN_PAPER',
            'Cited', 'rse_sampling_family', 'rse_sampling', 'rse_paper', 'paper_table', 'preset_values', 'preset_table']
@@ -143,7 +145,6 @@ def preset_values(preset: str | None, method: str, model: str = '') -> tuple[dic
 # %% ../nbs/24b_presets.ipynb #1872b7b4
 def preset_table(model: str = 'Qwen3-30B-A3B-Thinking-2507'):
     "Every paper preset's value for every method, with its source, as a DataFrame (RSE's sampling for `model`)."
-    import pandas as pd
     rows = [{'preset': p, 'method': m, 'setting': k, 'value': c.value, 'source': c.source}
             for p in ('tmas-paper', 'rse-paper') for m, d in paper_table(p, model).items() for k, c in d.items()]
     return pd.DataFrame(rows)

@@ -4,12 +4,20 @@
 
 # %% ../nbs/51_rl.ipynb #78405186
 from __future__ import annotations
-import csv, dataclasses, json, os, random, sys, time
+import csv, dataclasses, importlib.util, json, os, random, sys, time
 from dataclasses import dataclass, asdict
 from pathlib import Path
 from typing import Sequence
 
 from fastcore.basics import patch
+
+import pandas as pd
+
+from .judge import load_judge
+from .llm.core import run_sync
+from .llm.models import resolve_model
+from .methods import TMASConfig
+from .runs import start_run
 
 from .core import atomic_write_json, folder_lock
 from .data import load_benchmark, Problem
@@ -154,7 +162,6 @@ VERL_SOURCES = {'standard': 'normal', 'exp_util': 'experience', 'novelty': 'guid
 
 def to_verl(rows: list[dict]):
     "The rows in verl's layout, as a DataFrame."
-    import pandas as pd
     return pd.DataFrame([{'prompt': json.loads(r['prompt']), 'data_source': 'math',
                           'reward_model': {'ground_truth': str(r['gold']), 'style': 'rule'},
                           'extra_info': {'index': i, 'problem_id': r['problem_id'], 'question': r['question'],
@@ -165,7 +172,6 @@ def to_verl(rows: list[dict]):
 # %% ../nbs/51_rl.ipynb #ab0b6206
 def write_rows(rows: list[dict], path, format: str = 'tmas') -> Path:
     "Write training rows to a Parquet file in our layout (`format='tmas'`) or verl's (`'verl'`)."
-    import pandas as pd
     if format not in ('tmas', 'verl'): raise ValueError(f"--format {format!r}: use 'tmas' or 'verl'")
     path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
     df = to_verl(rows) if format == 'verl' else pd.DataFrame([{**r, 'rollouts': r.get('rollouts') or '[]'} for r in rows], columns=list(ROW_COLUMNS))
@@ -211,7 +217,6 @@ def from_verl(df, path) -> list[dict]:
 # %% ../nbs/51_rl.ipynb #49e7e035
 def read_rows(path) -> list[dict]:
     "Training rows from a Parquet file written by `tmas rl data` (our layout or verl's, told apart by its `_source` column)."
-    import pandas as pd
     path = Path(path)
     if not path.is_file(): raise FileNotFoundError(f"--task {path}: no such file; write one with `tmas rl data ... --out {path}`, or use --task toy")
     df = pd.read_parquet(path)
@@ -410,7 +415,6 @@ def _has_gpu() -> bool:
 
 # %% ../nbs/51_rl.ipynb #270233c0
 def _vllm_installed() -> bool:
-    import importlib.util
     return importlib.util.find_spec('vllm') is not None
 
 # %% ../nbs/51_rl.ipynb #756c8baa
@@ -444,7 +448,6 @@ def trainer_reward(s: TrainSettings, eos_token_ids: Sequence[int] = (), judge=No
     if judge is None:
         llm = None
         if s.judge:
-            from tmas_nb.judge import load_judge
             llm = load_judge(s.judge, Path(s.out) / 'judge_cache', threads=s.threads)
         judge = RolloutNoveltyJudge(llm, tau=s.novelty_tau, cache_path=Path(s.out) / 'novelty_cache.jsonl')
     return HybridReward(s.reward, s.experience_beta, judge, s.novelty, s.max_completion_length, eos_token_ids)
@@ -550,7 +553,6 @@ def _load_policy(s: TrainSettings):
     "(model, tokenizer, end-of-sequence ids) of `s.model`."
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from tmas_nb.llm.models import resolve_model
     path = resolve_model(s.model)
     tok = AutoTokenizer.from_pretrained(path)
     if tok.pad_token is None: tok.pad_token = tok.eos_token
@@ -651,7 +653,7 @@ class TeacherSettings:
     model: str = setting('default', "the teacher: a packaged model, a folder, or the served model's name with --base-url")
     backend: str = setting('transformers', "where the teacher runs: transformers, llama.cpp or openai")
     base_url: str | None = setting(None, "URL of an OpenAI-compatible server that answers the teacher's calls")
-    benchmark: str = setting('demo', "problems with gold answers: a benchmark name, a JSONL/CSV file, or a verl-layout Parquet file")
+    problems: str = setting('demo', "problems with gold answers: a benchmark name, a JSONL/CSV file, or a verl-layout Parquet file")
     out: str | None = setting(None, "the folder for the TMAS run (run/) and the rows (data.parquet)")
     n_candidates: int = setting(8, "N: candidates per iteration")
     n_verifications: int = setting(2, "M: reviews per candidate")
@@ -666,7 +668,6 @@ class TeacherSettings:
 # %% ../nbs/51_rl.ipynb #7006c9c3
 def read_problem_file(name: str) -> list[Problem]:
     "Problems from a benchmark name, a JSONL/CSV file, or a Parquet file (verl layout: prompt + reward_model; else question/answer columns)."
-    import pandas as pd
     if not str(name).endswith('.parquet'): return load_benchmark(name)
     df, out = pd.read_parquet(name), []
     for i, r in enumerate(df.to_dict('records')):
@@ -681,13 +682,10 @@ def read_problem_file(name: str) -> list[Problem]:
 
 # %% ../nbs/51_rl.ipynb #d30af037
 def teacher(t: TeacherSettings, progress: bool = True, llm=None) -> Path:
-    "TMAS iterations by the teacher on `t.benchmark` into OUT/run (`llm`: an `LLM` to use instead of `t.model`), then the mixed rows in OUT/data.parquet."
-    from tmas_nb.methods import TMASConfig
-    from tmas_nb.runs import start_run
-    from tmas_nb.llm.core import run_sync
+    "TMAS iterations by the teacher on `t.problems` into OUT/run (`llm`: an `LLM` to use instead of `t.model`), then the mixed rows in OUT/data.parquet."
     if not t.out: raise ValueError("--out is required: the folder for the teacher's run and the rows")
     out = Path(t.out); out.mkdir(parents=True, exist_ok=True)
-    problems = read_problem_file(t.benchmark)[:t.limit] if t.limit else read_problem_file(t.benchmark)
+    problems = read_problem_file(t.problems)[:t.limit] if t.limit else read_problem_file(t.problems)
     bench = out / 'problems.jsonl'     # the run reads its questions back from its benchmark
     bench.write_text(''.join(json.dumps({'question_id': p.id, 'question': p.question, 'answer': p.answer}) + '\n' for p in problems), encoding='utf-8')
     cfg = TMASConfig(n_candidates=t.n_candidates, n_verifications=t.n_verifications, iterations=t.iterations,
@@ -708,7 +706,6 @@ def _cmd_teacher(args) -> int:
 # %% ../nbs/51_rl.ipynb #c9aa359d
 def teacher_cli(p) -> None:
     "The flags of `tmas rl teacher`."
-    add_settings(p, TeacherSettings, skip=('benchmark',))
-    p.add_argument('--problems', dest='benchmark', default=None, help=TeacherSettings.__dataclass_fields__['benchmark'].metadata['help'])
+    add_settings(p, TeacherSettings)
     p.add_argument('--quiet', action='store_true', help='no progress bar')
     p.set_defaults(func=_cmd_teacher)

@@ -11,6 +11,11 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from fastcore.basics import patch
+import numpy as np, pandas as pd
+import pyarrow as pa, pyarrow.parquet as pq
+
+import tmas_nb
+from .llm.models import canonical_model_name
 
 from .core import LOCK_FILE, atomic_write_bytes, atomic_write_json, lock_holder
 from .methods import RECORD_COLUMNS, MethodConfig, read_checkpoints, records_frame
@@ -18,9 +23,9 @@ from .methods import RECORD_COLUMNS, MethodConfig, read_checkpoints, records_fra
 # %% auto #0
 __all__ = ['RUN_FILES', 'FINISHED_FILES', 'BANK_COLUMNS', 'IDENTITY_KEYS', 'TMAS_VARIANTS', 'record_schema', 'bank_schema',
            'write_parquet', 'versions', 'RunConfigMismatch', 'run_config', 'check_run_folder', 'prepare_run_dir',
-           'collect_run', 'finish_run', 'write_status', 'read_status', 'judge_columns', 'grading_label',
-           'carry_forward', 'pass_at_1_by_iteration', 'tmas_variant', 'run_label', 'best_candidates', 'Run',
-           'endpoint_of', 'tokens_by_endpoint', 'banks_frame', 'load_run']
+           'collect_run', 'write_judge_columns', 'finish_run', 'write_status', 'read_status', 'judge_columns',
+           'grading_label', 'carry_forward', 'pass_at_1_by_iteration', 'tmas_variant', 'run_label', 'best_candidates',
+           'Run', 'endpoint_of', 'tokens_by_endpoint', 'banks_frame', 'load_run']
 
 # %% ../nbs/24a_run_folder.ipynb #e90ea9e1
 RUN_FILES = ('config.json', 'calls.sqlite', 'checkpoints', 'banks', 'records.parquet', 'banks.parquet',
@@ -34,19 +39,16 @@ IDENTITY_KEYS = ('method', 'config', 'benchmark', 'problem_ids', 'model', 'backe
 
 def record_schema():
     "The pyarrow schema of `records.parquet`."
-    import pyarrow as pa
     types = {'str': pa.string(), 'str?': pa.string(), 'int': pa.int64(), 'bool': pa.bool_(), 'float': pa.float64(),
              'float?': pa.float64(), 'list<float>': pa.list_(pa.float64())}
     return pa.schema([pa.field(n, types[t], nullable=t.endswith('?') or t == 'str') for n, t in RECORD_COLUMNS.items()])
 
 def bank_schema():
     "The pyarrow schema of `banks.parquet`."
-    import pyarrow as pa
     return pa.schema(list(zip(BANK_COLUMNS, (pa.string(), pa.int64(), pa.string(), pa.list_(pa.string()), pa.int64()))))
 
 def write_parquet(path, rows: list[dict], schema) -> Path:
     "Write `rows` (dicts) with exactly `schema` to `path`, atomically."
-    import pyarrow as pa, pyarrow.parquet as pq
     table = pa.Table.from_pylist(rows, schema=schema)
     buf = io.BytesIO(); pq.write_table(table, buf)
     return atomic_write_bytes(path, buf.getvalue())
@@ -59,7 +61,7 @@ def versions() -> dict:
         except metadata.PackageNotFoundError:
             out[pkg] = None
     if out['tmas_nb'] is None:
-        import tmas_nb; out['tmas_nb'] = getattr(tmas_nb, '__version__', None)
+        out['tmas_nb'] = getattr(tmas_nb, '__version__', None)
     return out
 
 # %% ../nbs/24a_run_folder.ipynb #0b89eb3d
@@ -70,7 +72,6 @@ def run_config(method: str, config: MethodConfig, benchmark: str, problem_ids: S
                backend: str = 'transformers', base_url: str | None = None, limit: int | None = None,
                preset: str | None = None) -> dict:
     "The contents of `config.json` for a new run."
-    from tmas_nb.llm.models import canonical_model_name
     return {'method': method, 'config': config.to_dict(), 'benchmark': str(benchmark), 'limit': limit, 'preset': preset,
             'problem_ids': [str(p) for p in problem_ids], 'model': model,
             'model_id': canonical_model_name(model) if backend in ('transformers', 'llama.cpp') else model,
@@ -136,13 +137,25 @@ def collect_run(run_dir, problem_ids: Sequence[str] | None = None) -> tuple[list
             events += [{'problem_id': pid, 'iteration': cp['iteration'], **u} for u in cp['memory']]
     return records, banks, _sum_usage(usage), events
 
+# %% ../nbs/24a_run_folder.ipynb #fc78662d
+def write_judge_columns(run_dir, verdicts: Sequence[Sequence[bool]]) -> Path:
+    "Replace the `correct_judge<k>` columns of `records.parquet` with `verdicts` (one list per judge run)."
+    path = Path(run_dir) / 'records.parquet'
+    t = pq.read_table(path)
+    t = t.drop([c for c in t.column_names if c.startswith('correct_judge')])
+    for k, v in enumerate(verdicts):
+        if len(v) != t.num_rows: raise ValueError(f"{path}: {t.num_rows} records but {len(v)} verdicts of judge run {k}")
+        t = t.append_column(f'correct_judge{k}', pa.array(list(map(bool, v)), pa.bool_()))
+    buf = io.BytesIO(); pq.write_table(t, buf)
+    return atomic_write_bytes(path, buf.getvalue())
+
+
 # %% ../nbs/24a_run_folder.ipynb #2b4e8792
 _JUDGE_KEY = ['problem_id', 'iteration', 'candidate', 'branch', 'solution']
 
 def _carried_verdicts(path: Path, records: list[dict]) -> list[list[bool]]:
     "The verdicts `tmas judge` wrote into `path` (one list per judge run), when its records are the ones about to be written."
     if not path.exists(): return []
-    import pandas as pd
     old = pd.read_parquet(path)
     cols = judge_columns(old)
     if not cols: return []
@@ -160,7 +173,6 @@ def finish_run(run_dir, cache_stats: dict | None = None) -> Path:
     verdicts = _carried_verdicts(run_dir / 'records.parquet', records)
     write_parquet(run_dir / 'records.parquet', records, record_schema())
     if verdicts:
-        from tmas_nb.judge import write_judge_columns   # judge imports this module
         write_judge_columns(run_dir, verdicts)
     write_parquet(run_dir / 'banks.parquet', banks, bank_schema())
     total = _sum_usage([{'total': d} for d in usage.values()]).get('total', {})
@@ -201,7 +213,6 @@ def grading_label(judge: dict | None) -> str:
 
 def carry_forward(records, last_iteration: int | None = None):
     "The records plus, for every problem that stopped before `last_iteration`, its last iteration's candidates repeated at each later iteration (`carried` True)."
-    import pandas as pd
     rec = records.assign(carried=False)
     if len(rec) == 0: return rec
     last = int(rec['iteration'].max()) if last_iteration is None else int(last_iteration)
@@ -212,7 +223,6 @@ def carry_forward(records, last_iteration: int | None = None):
 
 def pass_at_1_by_iteration(records, judges: Sequence[str] | str | None = 'auto'):
     "Per iteration: Pass@1 (mean over problems of correct / candidates, early-stopped problems carried forward), candidates, problems; over the judge columns when present ('auto'), `None`: rule-based only."
-    import numpy as np, pandas as pd
     cols = judge_columns(records) if judges == 'auto' else list(judges or [])
     cols = cols or ['correct']
     judged = cols != ['correct']
@@ -339,14 +349,12 @@ def _checked(df, columns, path: Path):
 
 def banks_frame(banks):
     "Bank snapshot rows (dicts or a DataFrame) as a DataFrame with `BANK_COLUMNS`, `items` as lists."
-    import pandas as pd
     b = banks.copy() if isinstance(banks, pd.DataFrame) else pd.DataFrame(list(banks), columns=list(BANK_COLUMNS))
     b['items'] = [list(x) if x is not None else [] for x in b['items']]
     return b
 
 def load_run(run_dir) -> Run:
     "Open a run folder: finished, from its files (records keep extra columns such as the judge columns); interrupted, from its checkpoints."
-    import pandas as pd
     run_dir = Path(run_dir)
     if not (run_dir / 'config.json').exists():
         raise FileNotFoundError(f"{run_dir}: no config.json, so this is not a run folder; create one with `tmas run --method ... --out {run_dir}`")

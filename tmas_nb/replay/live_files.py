@@ -9,6 +9,7 @@ from pathlib import Path
 
 from .authors_api import install_authors_shims
 from .environment import IllegalAction
+from .live import LiveAuthorsQuestion
 from .files import (ControllerError, _answer_out, _child_env, _death_cause, _one_line, _where,
                                   check_controller_source, static_api_of)
 from ..sandbox import Sandbox, SandboxLimits, redact, sandbox_mode
@@ -192,7 +193,6 @@ def run(self:SandboxedController, env) -> str | None:
     "Solve the question of live episode `env` with the file: each action it sends is applied to `env`, the result sent back."
     if self.sb is None: self._start()
     if self.api == 'authors':
-        from tmas_nb.replay.live import LiveAuthorsQuestion
         target, calls = LiveAuthorsQuestion(env), AUTHORS_CALLS
     else: target, calls = env, OURS_CALLS
     self._send({'q': int(env.question), 'probe_freq': int(env.live.s.probe_every)})

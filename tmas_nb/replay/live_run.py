@@ -4,7 +4,7 @@
 
 # %% ../../nbs/08c_replay_live_run.ipynb #7b2f6cf7
 from __future__ import annotations
-import asyncio, json, threading, time
+import ast, asyncio, json, threading, time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,7 +82,6 @@ def discovery_choice(folder) -> dict:
 def _file_class(path: Path, class_name: str | None) -> str:
     "The controller class of a file: the one named, else its only top-level class with `run` or `solve`."
     if class_name: return class_name
-    import ast
     tree = ast.parse(path.read_text(encoding='utf-8', errors='replace'))
     names = [n.name for n in tree.body if isinstance(n, ast.ClassDef) and static_api_of(path.read_text(), n.name)]
     if len(names) != 1: raise ValueError(f"--controller {path}: {'no' if not names else len(names)} controller classes ({', '.join(names)}); name one with --controller-class")
