@@ -57,8 +57,10 @@ def test_scripted_agent_cannot_reach_heldout_and_edits_method(tmp_path):
     ws = out / 'agent' / 'r0000'
     rep = json.loads((ws / 'report.json').read_text())
     assert rep['found'] == [] and rep['seen'] > 10, rep            # the held-out question is nowhere the agent can read
+    # a virtualenv inside the checkout is the Python installation itself (read-only, as for any Python)
+    venv_in_repo = {Path(sys.prefix).resolve().relative_to(REPO.resolve()).parts[0]} if Path(sys.prefix).resolve().is_relative_to(REPO.resolve()) else set()
     v = rep['visible']      # the data folders are not there; of the repository only the package is (read-only, for Python)
-    assert not v[places[0]] and not v[places[2]] and set(v[places[1]] or []) <= {'tmas_nb'}, v
+    assert not v[places[0]] and not v[places[2]] and set(v[places[1]] or []) <= {'tmas_nb'} | venv_in_repo, v
     pythons = python_paths()           # the home folder shows only what Python itself needs (a pyenv install lives there)
     assert all(any(p.startswith(os.path.join(places[3], x)) for p in pythons) for x in v[places[3]] or []), (v, pythons)
     assert rep['round'] == '0' and rep['home'] == str(ws.resolve())

@@ -163,7 +163,7 @@ def config_for(name):
 
 def test_records_schema_is_identical_for_every_method(tmp_path):
     schemas, branches = {}, {}
-    for name in METHODS:
+    for name in [m for m in METHODS if m != 'controller']:   # the live controller method decodes a model: tests/test_live.py
         r = asyncio.run(start_run(name, PROBLEMS, config_for(name), tmp_path / name, model='scripted',
                                   llm=ScriptedLLM(REPLIES), benchmark='demo', progress=False))
         schemas[name] = pq.read_schema(tmp_path / name / 'records.parquet')

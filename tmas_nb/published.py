@@ -121,9 +121,9 @@ def _other_rows() -> list[dict]:
     return rows
 
 def published(*sources: str) -> pd.DataFrame:
-    "Published rows (`PAPER_COLUMNS`, `grading`, and `tau` / `metric` / `p_value` where a table has them), of the tables whose source starts with one of `sources` (all when none)."
+    "Published rows (`PAPER_COLUMNS`, `grading`, and `tau` / `metric` / `p_value` where a table has them), of the tables named in `sources` (all when none)."
     d = pd.DataFrame(_tmas_table1() + _rse_tables() + _other_rows())
-    if sources: d = d[d.source.str.startswith(tuple(sources))]
+    if sources: d = d[d.source.isin(sources)]
     return d.reset_index(drop=True)
 
 # %% ../nbs/26_published.ipynb #a5c95e2f
