@@ -49,7 +49,7 @@ class Episode:
     @property
     def gold(self) -> str: return self.store.gold_answers[self.question]
 
-# %% ../../nbs/09_replay_show.ipynb #65aa3986
+# %% ../../nbs/09_replay_show.ipynb #f8d354de
 UNREADABLE = ('ERR', None)
 
 def answer_status(answer, gold: str) -> str:
@@ -57,13 +57,13 @@ def answer_status(answer, gold: str) -> str:
     if answer is None or (isinstance(answer, float) and math.isnan(answer)) or answer in UNREADABLE: return 'unreadable'
     return 'correct' if answer == gold else 'wrong'
 
-# %% ../../nbs/09_replay_show.ipynb #bb0da984
+# %% ../../nbs/09_replay_show.ipynb #df07eac7
 def _check_question(store: ReplayStore, question: int, seed: int) -> None:
     if isinstance(question, bool) or not isinstance(question, int) or not 0 <= question < store.n_questions:
         raise ValueError(f"--question {question!r}: store {store.name} has questions 0..{store.n_questions - 1}")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0: raise ValueError(f"--seed {seed!r}: must be an integer >= 0")
 
-# %% ../../nbs/09_replay_show.ipynb #d9f97c8f
+# %% ../../nbs/09_replay_show.ipynb #feb65d57
 def _plain_answers(steps: pd.DataFrame) -> pd.DataFrame:
     "The trace with its answer column as Python strings and None (not a category with NaN)."
     steps = steps.reset_index(drop=True).copy()
@@ -71,7 +71,7 @@ def _plain_answers(steps: pd.DataFrame) -> pd.DataFrame:
     steps['action'] = steps['action'].astype(str)
     return steps
 
-# %% ../../nbs/09_replay_show.ipynb #ab595bec
+# %% ../../nbs/09_replay_show.ipynb #92ecc166
 def spec_episode(controller: Controller | str, store: ReplayStore, question: int, seed: int = 0) -> Episode:
     "The episode of a built-in controller (a spec or a `Controller`) on `question` of `store` under branch order `seed`."
     ctrl = parse_controller(controller) if isinstance(controller, str) else controller
@@ -81,7 +81,7 @@ def spec_episode(controller: Controller | str, store: ReplayStore, question: int
     return Episode(ctrl.describe(), store, question, seed, steps, answer, answer == store.gold_answers[question],
                    float(steps.cost.sum()))
 
-# %% ../../nbs/09_replay_show.ipynb #756b5077
+# %% ../../nbs/09_replay_show.ipynb #d66028c6
 _OURS = {'C': 'advance', 'P': 'probe', 'X': 'prune'}
 
 def replay_ours_log(store: ReplayStore, question: int, seed: int, codes: list, answer) -> list[Step]:
@@ -95,7 +95,7 @@ def replay_ours_log(store: ReplayStore, question: int, seed: int, codes: list, a
     env.answer(answer)
     return env.trace
 
-# %% ../../nbs/09_replay_show.ipynb #e3af92f4
+# %% ../../nbs/09_replay_show.ipynb #b5aae1f5
 def replay_authors_log(store: ReplayStore, question: int, seed: int, log: list, answer) -> list[Step]:
     "Steps of an authors'-API action log ('N', a branch index, 'F'; or their integer codes) with that API's rules."
     q, pf = question, int(store.probe_freq[question])
@@ -115,7 +115,7 @@ def replay_authors_log(store: ReplayStore, question: int, seed: int, log: list, 
     steps.append(Step(Action.ANSWER, None, answer, 0))
     return steps
 
-# %% ../../nbs/09_replay_show.ipynb #60b9f224
+# %% ../../nbs/09_replay_show.ipynb #0f8cded1
 def _frame(steps: list[Step], seed: int, question: int) -> pd.DataFrame:
     "Steps as the columns of `trace_episodes`."
     rows = [(seed, question, k, s.action.value, -1 if s.branch is None else s.branch, s.answer, float(s.cost), s.finished)
@@ -123,7 +123,7 @@ def _frame(steps: list[Step], seed: int, question: int) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=['seed', 'question', 'step', 'action', 'branch', 'answer', 'cost', 'finished']).astype(
         {'answer': object})
 
-# %% ../../nbs/09_replay_show.ipynb #afdcaa48
+# %% ../../nbs/09_replay_show.ipynb #675cbeae
 def file_class(path, class_name: str | None = None) -> str:
     "The controller class of a file: the one named, else its only top-level class with `run` or `solve` (read, not run)."
     if class_name: return class_name
@@ -133,7 +133,7 @@ def file_class(path, class_name: str | None = None) -> str:
         raise ValueError(f"--controller {path}: {'no' if not names else len(names)} controller classes ({', '.join(names)}); name one with --controller-class")
     return names[0]
 
-# %% ../../nbs/09_replay_show.ipynb #eff6852f
+# %% ../../nbs/09_replay_show.ipynb #7084f6d7
 def _one_question(store: ReplayStore, q: int) -> list[dict]:
     "Question `q` of `store` as the one record of a store file."
     voc, pf = store.vocab[q], int(store.probe_freq[q])
@@ -141,7 +141,7 @@ def _one_question(store: ReplayStore, q: int) -> list[dict]:
           for b in range(int(store.n_branches[q]))]
     return [{'question': store.questions[q], 'gold_answer': store.gold_answers[q], 'probe_freq': pf, 'each_branch': br}]
 
-# %% ../../nbs/09_replay_show.ipynb #c6a04b25
+# %% ../../nbs/09_replay_show.ipynb #bdb4bb20
 def file_episode(path, store: ReplayStore, question: int, seed: int = 0, class_name: str | None = None,
                  config: dict | None = None, settings: SandboxSettings | None = None) -> Episode:
     "The episode of class `class_name` of controller file `path`, run in the sandbox, its action log replayed here."
@@ -162,7 +162,7 @@ def file_episode(path, store: ReplayStore, question: int, seed: int = 0, class_n
     return Episode(r['controller'], store, question, seed, steps, answer, correct, cost,
                    f"sandbox ({r['sandbox']}), {r['trace_api']} API")
 
-# %% ../../nbs/09_replay_show.ipynb #d0a58cd6
+# %% ../../nbs/09_replay_show.ipynb #ec5d4c66
 @dataclass
 class FileOptions:
     "How controller files are run: the class (default: the file's only one), its parameters, the sandbox."
@@ -170,12 +170,12 @@ class FileOptions:
     config: dict = field(default_factory=dict)
     sandbox: SandboxSettings = field(default_factory=SandboxSettings)
 
-# %% ../../nbs/09_replay_show.ipynb #f5ca6c82
+# %% ../../nbs/09_replay_show.ipynb #6426ef00
 def is_controller_file(controller) -> bool:
     "Whether `controller` names a file (a `Path`, a name ending in .py, or an existing file) rather than a spec."
     return isinstance(controller, Path) or (isinstance(controller, str) and (controller.endswith('.py') or Path(controller).is_file()))
 
-# %% ../../nbs/09_replay_show.ipynb #df738685
+# %% ../../nbs/09_replay_show.ipynb #2d009f50
 def episode(controller, store: ReplayStore, question: int, seed: int = 0, files: FileOptions | None = None) -> Episode:
     "The episode of `controller`: a spec or `Controller` traced here, a file run in the sandbox and replayed here."
     if is_controller_file(controller):
@@ -183,7 +183,7 @@ def episode(controller, store: ReplayStore, question: int, seed: int = 0, files:
         return file_episode(controller, store, question, seed, f.class_name, f.config, f.sandbox)
     return spec_episode(controller, store, question, seed)
 
-# %% ../../nbs/09_replay_show.ipynb #56084f30
+# %% ../../nbs/09_replay_show.ipynb #741532b2
 def episode_reads(ep: Episode) -> pd.DataFrame:
     "One row per revealed answer: step, branch, kind (interval, final, probe), answer, status, branch_tokens, spent."
     rows, on_branch, spent = [], {}, 0.0
@@ -196,7 +196,7 @@ def episode_reads(ep: Episode) -> pd.DataFrame:
         rows.append((int(r.step), b, r.action, kind, r.answer, answer_status(r.answer, ep.gold), on_branch.get(b, 0.0), spent))
     return pd.DataFrame(rows, columns=['step', 'branch', 'action', 'kind', 'answer', 'status', 'branch_tokens', 'spent'])
 
-# %% ../../nbs/09_replay_show.ipynb #b9dd75ce
+# %% ../../nbs/09_replay_show.ipynb #1497e2eb
 def episode_branches(ep: Episode) -> pd.DataFrame:
     "One row per opened branch: opened_step, tokens, reads, finished, whole (read at once), pruned, pruned_step, last answer and status."
     rd, s = episode_reads(ep), ep.steps
@@ -210,7 +210,7 @@ def episode_branches(ep: Episode) -> pd.DataFrame:
     cols = ['branch', 'opened_step', 'tokens', 'reads', 'finished', 'whole', 'pruned', 'pruned_step', 'answer', 'status']
     return pd.DataFrame(rows, columns=cols).sort_values('opened_step', kind='stable').reset_index(drop=True)
 
-# %% ../../nbs/09_replay_show.ipynb #03a24378
+# %% ../../nbs/09_replay_show.ipynb #80b8e806
 def vote_timeline(ep: Episode) -> pd.DataFrame:
     "After each step: the step, tokens spent, and per answer the branches not pruned whose latest readable answer it is."
     latest, pruned, spent, rows = {}, set(), 0.0, []
@@ -226,7 +226,7 @@ def vote_timeline(ep: Episode) -> pd.DataFrame:
     vc = [c for c in df.columns if c.startswith('votes:')]
     return df.astype({c: int for c in vc})
 
-# %% ../../nbs/09_replay_show.ipynb #53edfc6f
+# %% ../../nbs/09_replay_show.ipynb #70fcfbab
 STYLE = {'font.size': 10, 'axes.titlesize': 10, 'axes.labelsize': 10, 'xtick.labelsize': 9, 'ytick.labelsize': 9,
          'legend.fontsize': 9, 'figure.titlesize': 12, 'axes.spines.top': False, 'axes.spines.right': False,
          'axes.grid': False, 'savefig.dpi': 150, 'savefig.facecolor': 'white', 'figure.facecolor': 'white'}
@@ -234,14 +234,14 @@ COLORS = {'correct': '#1a9850', 'wrong': '#d73027', 'unreadable': '#8c8c8c'}
 OTHERS = ('#4575b4', '#8856a7', '#e08214', '#4d4d4d', '#35978f')     # the vote lines of answers neither gold nor chosen
 DPI = 150
 
-# %% ../../nbs/09_replay_show.ipynb #e8e7b3a2
+# %% ../../nbs/09_replay_show.ipynb #c5cce6b6
 def label(answer, width: int = 14) -> str:
     "An answer as figure text: 'none' for None, shortened to `width` characters, `$` escaped (no mathtext)."
     s = 'none' if answer is None else str(answer)
     s = s if len(s) <= width else s[:width - 1] + '…'
     return s.replace('$', r'\$')
 
-# %% ../../nbs/09_replay_show.ipynb #cae80928
+# %% ../../nbs/09_replay_show.ipynb #0b4e6534
 def outcome(ep: Episode) -> str:
     "'answer 204 (correct) · 23.5k tokens · 8 branches (2 pruned, 3 finished)'."
     br = episode_branches(ep)
@@ -249,7 +249,17 @@ def outcome(ep: Episode) -> str:
     return (f"answer {label(ep.answer, 24)} ({verdict}) · {ep.cost / 1000:.1f}k tokens · {len(br)} branches "
             f"({int(br.pruned.sum())} pruned, {int(br.finished.sum())} finished)")
 
-# %% ../../nbs/09_replay_show.ipynb #d2fc3456
+# %% ../../nbs/09_replay_show.ipynb #0fe16a06
+def _branch_axes(ax, n: int, xmax: float) -> None:
+    "Limits, ticks and labels of the upper panel: rows top to bottom, at most one row label per 0.2 inch."
+    ax.set_ylim(n - 0.5, -0.5); ax.set_xlim(-0.02 * xmax, 1.06 * xmax)
+    height_in = ax.get_position().height * ax.figure.get_figheight()
+    every = max(1, math.ceil(n / max(1.0, height_in / 0.2)))
+    ax.set_yticks(range(0, n, every)); ax.set_yticklabels([str(i + 1) for i in range(0, n, every)])
+    ax.set_ylabel('branch (in the order opened)'); ax.set_xlabel('tokens read on the branch (thousands)')
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=8, steps=[1, 2, 2.5, 5, 10]))
+
+# %% ../../nbs/09_replay_show.ipynb #92e288a4
 def draw_branches(ep: Episode, ax) -> None:
     "The upper panel: one row per opened branch, its reads marked by status, finished, pruned."
     br, rd = episode_branches(ep), episode_reads(ep)
@@ -271,17 +281,7 @@ def draw_branches(ep: Episode, ax) -> None:
     if len(pr): ax.plot(pr.branch_tokens / 1000, [row[b] for b in pr.branch], ls='none', marker='o', ms=ms + 5, mfc='none', mec='black', mew=1.0, zorder=2)
     _branch_axes(ax, len(br), xmax)
 
-# %% ../../nbs/09_replay_show.ipynb #a0642421
-def _branch_axes(ax, n: int, xmax: float) -> None:
-    "Limits, ticks and labels of the upper panel: rows top to bottom, at most one row label per 0.2 inch."
-    ax.set_ylim(n - 0.5, -0.5); ax.set_xlim(-0.02 * xmax, 1.06 * xmax)
-    height_in = ax.get_position().height * ax.figure.get_figheight()
-    every = max(1, math.ceil(n / max(1.0, height_in / 0.2)))
-    ax.set_yticks(range(0, n, every)); ax.set_yticklabels([str(i + 1) for i in range(0, n, every)])
-    ax.set_ylabel('branch (in the order opened)'); ax.set_xlabel('tokens read on the branch (thousands)')
-    ax.xaxis.set_major_locator(MaxNLocator(nbins=8, steps=[1, 2, 2.5, 5, 10]))
-
-# %% ../../nbs/09_replay_show.ipynb #7e2d10e1
+# %% ../../nbs/09_replay_show.ipynb #046c83b5
 def _vote_answers(ep: Episode, tl: pd.DataFrame, k: int = 4) -> list:
     "The answers drawn in the vote panel: the `k` with the most votes at any time, plus the gold answer and the answer given."
     cols = sorted((c for c in tl.columns if c.startswith('votes:')), key=lambda c: -int(tl[c].max()))
@@ -290,7 +290,7 @@ def _vote_answers(ep: Episode, tl: pd.DataFrame, k: int = 4) -> list:
         if f'votes:{a}' in tl.columns and a not in keep: keep.append(a)
     return keep
 
-# %% ../../nbs/09_replay_show.ipynb #2b680743
+# %% ../../nbs/09_replay_show.ipynb #91634150
 def draw_vote(ep: Episode, ax) -> None:
     "The lower panel: votes of the leading answers over the episode's tokens, and where the controller stopped."
     tl = vote_timeline(ep)
@@ -312,7 +312,7 @@ def draw_vote(ep: Episode, ax) -> None:
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc='upper left', bbox_to_anchor=(1.01, 1.0), frameon=False, title='latest answer of\nbranches not pruned', alignment='left')
 
-# %% ../../nbs/09_replay_show.ipynb #57e03730
+# %% ../../nbs/09_replay_show.ipynb #afeebf20
 def _legend_handles(episodes: list) -> list:
     "The markers of the upper panel that some episode shows, for the figure's legend."
     h = lambda **kw: Line2D([], [], ls='none', **kw)
@@ -326,7 +326,7 @@ def _legend_handles(episodes: list) -> list:
              ('PROBE' in acts, h(marker='o', mfc='none', mec='black', ms=11, label='PROBE (look again, no read)'))]
     return [x for keep, x in items if keep]
 
-# %% ../../nbs/09_replay_show.ipynb #43403508
+# %% ../../nbs/09_replay_show.ipynb #bc7c3f92
 def draw_episodes(episodes: list[Episode]) -> Figure:
     "One column per episode (same question and seed): branches × depth above, the vote over time below."
     if not episodes: raise ValueError("draw_episodes needs at least one episode")
@@ -348,20 +348,20 @@ def draw_episodes(episodes: list[Episode]) -> Figure:
         fig.legend(handles=_legend_handles(episodes), loc='outside lower center', ncol=7 if k > 1 else 4, frameon=False)
     return fig
 
-# %% ../../nbs/09_replay_show.ipynb #66e1e7b3
+# %% ../../nbs/09_replay_show.ipynb #9326535f
 def show_episodes(controllers: list, model: str = 'Qwen3-4B', benchmark: str = 'aime24', question: int = 0, seed: int = 0,
                   data_dir=None, files: FileOptions | None = None) -> Figure:
     "Episodes of `controllers` (specs, `Controller`s or files) side by side on `question` of `model` × `benchmark` under `seed`."
     st = load_store(model, benchmark, data_dir)
     return draw_episodes([episode(c, st, question, seed, files) for c in controllers])
 
-# %% ../../nbs/09_replay_show.ipynb #00606a54
+# %% ../../nbs/09_replay_show.ipynb #ddf6a4ee
 def show_episode(controller, model: str = 'Qwen3-4B', benchmark: str = 'aime24', question: int = 0, seed: int = 0,
                  data_dir=None, files: FileOptions | None = None) -> Figure:
     "The episode of `controller` (a spec, a `Controller` or a file) as a figure."
     return show_episodes([controller], model, benchmark, question, seed, data_dir, files)
 
-# %% ../../nbs/09_replay_show.ipynb #365b0be5
+# %% ../../nbs/09_replay_show.ipynb #6d888f06
 def save_figure(fig: Figure, path) -> Path:
     "Write `fig` as a PNG at 150 dpi in 256 colours (a third of the size, the same to the eye; folders created); returns the path."
     path = Path(path)
@@ -372,14 +372,14 @@ def save_figure(fig: Figure, path) -> Path:
     atomic_write_bytes(path, out.getvalue())
     return path
 
-# %% ../../nbs/09_replay_show.ipynb #c5c68753
+# %% ../../nbs/09_replay_show.ipynb #a5a40c11
 def default_png(episodes: list[Episode]) -> Path:
     "`replay_show/<model>_<benchmark>_q<Q>_seed<S>_<controllers>.png` under the current folder."
     e = episodes[0]
     slug = '_vs_'.join(re.sub(r'[^A-Za-z0-9.=]+', '-', x.controller.split(',')[0])[:40].strip('-') for x in episodes)
     return Path('replay_show') / f"{e.store.name.replace('/', '_')}_q{e.question}_seed{e.seed}_{slug}.png"
 
-# %% ../../nbs/09_replay_show.ipynb #84567d15
+# %% ../../nbs/09_replay_show.ipynb #624f4910
 def episode_summary(ep: Episode) -> str:
     "The episode in a few lines of text: the outcome, the branches, the reads by status, the vote at the stop."
     br, rd, tl = episode_branches(ep), episode_reads(ep), vote_timeline(ep)
@@ -397,7 +397,7 @@ def episode_summary(ep: Episode) -> str:
         f"final answers {int((rd.kind == 'final').sum())}; probes {int((rd.kind == 'probe').sum())}",
         f"  vote at the stop: {top}"])
 
-# %% ../../nbs/09_replay_show.ipynb #5181a645
+# %% ../../nbs/09_replay_show.ipynb #e96e2c5d
 def _cmd_show(args) -> int:
     st = load_store(args.model, args.benchmark, args.data_dir)
     cfg = json.loads(args.controller_config) if args.controller_config else {}
@@ -415,7 +415,7 @@ def _cmd_show(args) -> int:
     print(f"picture: {path}")
     return 0
 
-# %% ../../nbs/09_replay_show.ipynb #8fc0d83f
+# %% ../../nbs/09_replay_show.ipynb #a862fc3b
 def show_cli(p) -> None:
     "The flags of `tmas replay show`."
     p.add_argument('--data-dir', default=None, help=_DATA_DIR_HELP)
