@@ -29,8 +29,8 @@ from ..core import atomic_write_bytes
 __all__ = ['UNREADABLE', 'STYLE', 'COLORS', 'OTHERS', 'DPI', 'Episode', 'answer_status', 'spec_episode', 'replay_ours_log',
            'replay_authors_log', 'file_class', 'file_episode', 'FileOptions', 'is_controller_file', 'episode',
            'episode_reads', 'episode_branches', 'vote_timeline', 'label', 'outcome', 'draw_branches', 'draw_vote',
-           'draw_episodes', 'show_episodes', 'show_episode', 'save_figure', 'default_png', 'episode_summary',
-           'show_cli']
+           'EpisodeFigure', 'draw_episodes', 'show_episodes', 'show_episode', 'save_figure', 'default_png',
+           'episode_summary', 'show_cli']
 
 # %% ../../nbs/09_replay_show.ipynb #e4b21313
 @dataclass
@@ -326,8 +326,14 @@ def _legend_handles(episodes: list) -> list:
              ('PROBE' in acts, h(marker='o', mfc='none', mec='black', ms=11, label='PROBE (look again, no read)'))]
     return [x for keep, x in items if keep]
 
-# %% ../../nbs/09_replay_show.ipynb #bc7c3f92
-def draw_episodes(episodes: list[Episode]) -> Figure:
+# %% ../../nbs/09_replay_show.ipynb #bb0033c4
+class EpisodeFigure(Figure):
+    "A matplotlib `Figure` that a notebook shows as a PNG at 150 dpi, with or without pyplot."
+    def _repr_png_(self) -> bytes:
+        buf = io.BytesIO(); self.savefig(buf, format='png', dpi=DPI, facecolor='white'); return buf.getvalue()
+
+# %% ../../nbs/09_replay_show.ipynb #6d582ed3
+def draw_episodes(episodes: list[Episode]) -> EpisodeFigure:
     "One column per episode (same question and seed): branches × depth above, the vote over time below."
     if not episodes: raise ValueError("draw_episodes needs at least one episode")
     e0 = episodes[0]
@@ -336,7 +342,7 @@ def draw_episodes(episodes: list[Episode]) -> Figure:
     k, rows = len(episodes), max(len(episode_branches(e)) for e in episodes)
     top = min(9.0, max(2.4, 0.17 * rows + 0.8))
     with mpl.rc_context(STYLE):
-        fig = Figure(figsize=(10.0 if k == 1 else 7.2 * k, top + 2.6 + 1.9), dpi=DPI, layout='constrained')
+        fig = EpisodeFigure(figsize=(10.0 if k == 1 else 7.2 * k, top + 2.6 + 1.9), dpi=DPI, layout='constrained')
         axes = fig.subplots(2, k, squeeze=False, height_ratios=[top, 2.6])
         for j, e in enumerate(episodes):
             draw_branches(e, axes[0, j]); draw_vote(e, axes[1, j])
@@ -348,20 +354,20 @@ def draw_episodes(episodes: list[Episode]) -> Figure:
         fig.legend(handles=_legend_handles(episodes), loc='outside lower center', ncol=7 if k > 1 else 4, frameon=False)
     return fig
 
-# %% ../../nbs/09_replay_show.ipynb #9326535f
+# %% ../../nbs/09_replay_show.ipynb #262d96bf
 def show_episodes(controllers: list, model: str = 'Qwen3-4B', benchmark: str = 'aime24', question: int = 0, seed: int = 0,
                   data_dir=None, files: FileOptions | None = None) -> Figure:
     "Episodes of `controllers` (specs, `Controller`s or files) side by side on `question` of `model` × `benchmark` under `seed`."
     st = load_store(model, benchmark, data_dir)
     return draw_episodes([episode(c, st, question, seed, files) for c in controllers])
 
-# %% ../../nbs/09_replay_show.ipynb #ddf6a4ee
+# %% ../../nbs/09_replay_show.ipynb #a4a30094
 def show_episode(controller, model: str = 'Qwen3-4B', benchmark: str = 'aime24', question: int = 0, seed: int = 0,
                  data_dir=None, files: FileOptions | None = None) -> Figure:
     "The episode of `controller` (a spec, a `Controller` or a file) as a figure."
     return show_episodes([controller], model, benchmark, question, seed, data_dir, files)
 
-# %% ../../nbs/09_replay_show.ipynb #6d888f06
+# %% ../../nbs/09_replay_show.ipynb #e171c085
 def save_figure(fig: Figure, path) -> Path:
     "Write `fig` as a PNG at 150 dpi in 256 colours (a third of the size, the same to the eye; folders created); returns the path."
     path = Path(path)
@@ -372,14 +378,14 @@ def save_figure(fig: Figure, path) -> Path:
     atomic_write_bytes(path, out.getvalue())
     return path
 
-# %% ../../nbs/09_replay_show.ipynb #a5a40c11
+# %% ../../nbs/09_replay_show.ipynb #a0d06207
 def default_png(episodes: list[Episode]) -> Path:
     "`replay_show/<model>_<benchmark>_q<Q>_seed<S>_<controllers>.png` under the current folder."
     e = episodes[0]
     slug = '_vs_'.join(re.sub(r'[^A-Za-z0-9.=]+', '-', x.controller.split(',')[0])[:40].strip('-') for x in episodes)
     return Path('replay_show') / f"{e.store.name.replace('/', '_')}_q{e.question}_seed{e.seed}_{slug}.png"
 
-# %% ../../nbs/09_replay_show.ipynb #624f4910
+# %% ../../nbs/09_replay_show.ipynb #775d9d91
 def episode_summary(ep: Episode) -> str:
     "The episode in a few lines of text: the outcome, the branches, the reads by status, the vote at the stop."
     br, rd, tl = episode_branches(ep), episode_reads(ep), vote_timeline(ep)
@@ -397,7 +403,7 @@ def episode_summary(ep: Episode) -> str:
         f"final answers {int((rd.kind == 'final').sum())}; probes {int((rd.kind == 'probe').sum())}",
         f"  vote at the stop: {top}"])
 
-# %% ../../nbs/09_replay_show.ipynb #e96e2c5d
+# %% ../../nbs/09_replay_show.ipynb #3b4591e8
 def _cmd_show(args) -> int:
     st = load_store(args.model, args.benchmark, args.data_dir)
     cfg = json.loads(args.controller_config) if args.controller_config else {}
@@ -415,7 +421,7 @@ def _cmd_show(args) -> int:
     print(f"picture: {path}")
     return 0
 
-# %% ../../nbs/09_replay_show.ipynb #a862fc3b
+# %% ../../nbs/09_replay_show.ipynb #252f6042
 def show_cli(p) -> None:
     "The flags of `tmas replay show`."
     p.add_argument('--data-dir', default=None, help=_DATA_DIR_HELP)
