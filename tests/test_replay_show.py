@@ -5,6 +5,7 @@ import textwrap
 
 import pytest
 from PIL import Image
+from matplotlib.text import Text
 
 from tmas_nb.cli import main
 from tmas_nb.replay.authors_api import example_controller
@@ -52,6 +53,11 @@ def test_the_picture_is_the_environments_episode(store, spec, question, seed):
     assert br.tokens.tolist() == [float(t) for t in env.tokens_read]
     fig = draw_episodes([ep])
     assert drawn_rows(fig.axes[0]) == env.m
+    fig.draw_without_rendering()                        # ticks and legends exist once drawn
+    texts = [t for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()]
+    assert texts and min(t.get_fontsize() for t in texts) >= 9     # readable at the saved size
+    assert not [t.get_text() for t in texts if 'nan' in t.get_text().lower()]
+    assert spec.split(':')[0] in fig.axes[0].get_title('left') and f'question {question} · seed {seed}' in fig._suptitle.get_text()
     # every interval read is the store's probe at that depth of the seed's branch, marked correct iff it is the gold one
     rd = episode_reads(ep); order = store.orders([seed])[0, question]
     iv = rd[rd.kind == 'interval']; depth = iv.groupby('branch').cumcount()
@@ -90,6 +96,8 @@ def test_cli_errors_are_one_line(data_root, capsys):
     assert '--controller sc:k=999' in capsys.readouterr().err
     assert main(base + ['--controller', 'sc:k=4', '--png', 'x.jpg']) == 2
     assert 'must end in .png' in capsys.readouterr().err
+    assert main(base + ['--controller', 'x.py', '--controller-config', '{beta: 1}']) == 2
+    assert '--controller-config: not valid JSON' in capsys.readouterr().err
 
 
 def test_file_controllers_run_in_the_sandbox_and_replay_to_the_same_episode(store, authors_cmc, tmp_path):

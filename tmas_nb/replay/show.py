@@ -406,7 +406,8 @@ def episode_summary(ep: Episode) -> str:
 # %% ../../nbs/09_replay_show.ipynb #3b4591e8
 def _cmd_show(args) -> int:
     st = load_store(args.model, args.benchmark, args.data_dir)
-    cfg = json.loads(args.controller_config) if args.controller_config else {}
+    try: cfg = json.loads(args.controller_config) if args.controller_config else {}
+    except json.JSONDecodeError as e: raise ValueError(f"--controller-config: not valid JSON ({e.msg}), e.g. '{{\"beta\": 0.5}}'") from None
     if not isinstance(cfg, dict): raise ValueError("--controller-config must be a JSON object, e.g. '{\"beta\": 0.5}'")
     files = FileOptions(args.controller_class, cfg, resolve(SandboxSettings, args=args))
     _check_question(st, args.question, args.seed)
