@@ -12,7 +12,7 @@ import pytest
 
 from tmas_nb.cli import COMMANDS, build_parser
 
-MODEL_CMDS = {'data hard-subset', 'doctor', 'engines calibrate', 'engines show', 'replay build', 'replay eval', 'rl teacher',
+MODEL_CMDS = {'data hard-subset', 'doctor', 'engines calibrate', 'engines show', 'replay build', 'replay eval', 'replay show', 'rl teacher',
               'rl train', 'run', 'serve'}
 FLAGS = {
     # the model, and where it runs (tmas_nb.settings.ModelSettings)
@@ -42,15 +42,15 @@ FLAGS = {
     '--max-new-tokens': ('new tokens per model answer', {'data hard-subset', 'discover', 'doctor', 'engines calibrate', 'judge',
                                                         'replay build', 'rl teacher', 'run'}),
     '--seed': ('the one seed every random choice derives from', {'data hard-subset', 'discover', 'judge', 'replay build',
-                                                                  'rl data', 'rl teacher', 'rl train', 'run'}),
+                                                                  'replay show', 'rl data', 'rl teacher', 'rl train', 'run'}),
     # the sandbox (tmas_nb.settings.SandboxSettings)
-    '--api': ("a controller file's API", {'replay eval', 'replay grid'}),
+    '--api': ("a controller file's API", {'replay eval', 'replay grid', 'replay show'}),
     '--timeout': ('seconds allowed for one unit of work (an evaluation, a comparison, a download without data)',
-                  {'data fetch', 'discover', 'grade', 'replay eval', 'replay grid'}),
-    '--memory-mb': ('memory budget of the sandbox', {'discover', 'replay eval', 'replay grid'}),
+                  {'data fetch', 'discover', 'grade', 'replay eval', 'replay grid', 'replay show'}),
+    '--memory-mb': ('memory budget of the sandbox', {'discover', 'replay eval', 'replay grid', 'replay show'}),
     '--jobs': ('parallel workers', {'discover', 'engines build-llama', 'replay eval', 'replay grid'}),
     '--stateless': ('an authors\'-API class keeps no state between questions', {'discover', 'replay eval', 'replay grid'}),
-    '--no-sandbox': ('run without the sandbox (trusted code only)', {'discover', 'replay eval', 'replay grid'}),
+    '--no-sandbox': ('run without the sandbox (trusted code only)', {'discover', 'replay eval', 'replay grid', 'replay show'}),
     # output (tmas_nb.settings.OutputSettings)
     '--out': ('where the results go: a folder or a file', {'data hard-subset', 'discover', 'replay build', 'replay grid',
                                                           'report', 'rl data', 'rl teacher', 'rl train', 'run'}),
@@ -58,9 +58,9 @@ FLAGS = {
                                     'judge', 'replay build', 'replay eval', 'replay grid', 'report', 'rl teacher', 'rl train', 'run'}),
     '--json': ('print one JSON object', {'data list', 'doctor', 'grade', 'replay eval', 'runs summary'}),
     # data
-    '--data-dir': ('the data folder', {'data list', 'data mirror', 'discover', 'replay build', 'replay eval', 'replay grid'}),
+    '--data-dir': ('the data folder', {'data list', 'data mirror', 'discover', 'replay build', 'replay eval', 'replay grid', 'replay show'}),
     '--benchmark': ('a benchmark: a name or a file (replay: the store of that benchmark)',
-                    {'data hard-subset', 'judge', 'replay build', 'replay eval', 'run'}),
+                    {'data hard-subset', 'judge', 'replay build', 'replay eval', 'replay show', 'run'}),
     '--problems': ('the training problems of `rl teacher`: a benchmark name or a problem file with gold answers', {'rl teacher'}),
     '--benchmarks': ('benchmarks, comma-separated', {'replay grid'}),
     '--models': ('models, comma-separated', {'replay grid'}),
@@ -81,13 +81,14 @@ FLAGS = {
     '--epsilon': ('exploration probability', {'run'}), '--concurrency': ('problems run at the same time', {'run'}),
     '--answer-from-truncated': ("grade a cut-off output's last box", {'grade', 'run'}),
     # replay
-    '--controller': ('a controller spec (run: or a controller file, or discovery:DIR)', {'replay eval', 'run'}), '--controllers': ('controller specs', {'replay grid'}),
+    '--controller': ('a controller spec (run, replay show: or a controller file; run: or discovery:DIR)', {'replay eval', 'replay show', 'run'}), '--controllers': ('controller specs', {'replay grid'}),
     '--controller-file': ('a controller file', {'replay eval', 'replay grid'}),
-    '--controller-class': ('its class', {'replay eval', 'replay grid', 'run'}),
-    '--controller-config': ("its class's parameters", {'replay eval', 'run'}),
+    '--controller-class': ('its class', {'replay eval', 'replay grid', 'replay show', 'run'}),
+    '--controller-config': ("its class's parameters", {'replay eval', 'replay show', 'run'}),
     '--controller-configs': ("its class's parameter sets", {'replay grid'}),
     '--seeds': ('number of seeds (branch orders)', {'discover', 'replay eval', 'replay grid'}),
     '--trace': ('a step trace file', {'replay eval'}), '--trace-seeds': ('seeds traced', {'replay eval'}),
+    '--question': ('one question of the store, 0-based', {'replay show'}), '--png': ('the PNG file a picture goes to', {'replay show'}),
     '--branches': ('branches per question', {'replay build', 'run'}), '--probe-every': ('probe interval', {'replay build', 'run'}),
     '--probe-tokens': ('tokens per probe', {'replay build', 'run'}),
     '--rounds': ('discovery rounds', {'discover'}), '--train': ('search stores', {'discover'}),

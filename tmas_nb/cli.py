@@ -28,6 +28,11 @@ COMMANDS = {   # command: (module:function that adds its flags, help, descriptio
                     'esc:max_samples=64,window=8, pp:num_chains=64, cmc:beta=0.5'),
     'replay grid': ('tmas_nb.replay.evaluation:grid_cli', 'run the standard controller grid on all stores',
                     'ASC, ESC, SC, Parallel-Probe and CMC sweeps (34 configurations) on every model × benchmark store.'),
+    'replay show': ('tmas_nb.replay.show:show_cli', 'one controller episode as a picture (branches × depth, the vote, where it stopped)',
+                    'Draw one episode of a controller on one question and branch order: a row per opened branch with every '
+                    'revealed answer marked correct, wrong or unreadable, pruned and finished branches, the vote over the '
+                    'episode and where the controller stopped; --controller twice puts two side by side. Prints a summary '
+                    'and writes a PNG (--png, default replay_show/...png).'),
     'replay build': ('tmas_nb.replay.build:build_cli', 'build a replay store from a model (branches probed every T tokens)',
                      'Sample B branches per question, probe each every T tokens, write a store the loader validates. '
                      'Resumes from STORE.json.parts/ after an interruption.'),
