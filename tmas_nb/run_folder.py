@@ -152,12 +152,17 @@ def collect_run(run_dir, problem_ids: Sequence[str] | None = None) -> tuple[list
 
 # %% ../nbs/24a_run_folder.ipynb #aa783abb
 def collect_calls(run_dir, problem_ids: Sequence[str] | None = None, checkpoints: dict | None = None) -> list[dict]:
-    "Every call row in a run's checkpoints (`read_checkpoints`, unless given), in problem order, each with the run's folder name."
+    "Every call row in a run's checkpoints (`read_checkpoints`, unless given), in problem order, each with the run's folder name and its prompt (a checkpoint writes a prompt shared with the row before once)."
     cps = read_checkpoints(run_dir) if checkpoints is None else checkpoints
     order = list(problem_ids) if problem_ids is not None else []
     order += [p for p in cps if p not in order]
-    name = Path(run_dir).resolve().name
-    return [{'run': name, **c} for pid in order for cp in cps.get(pid, []) for c in cp.get('calls', [])]
+    name, out = Path(run_dir).resolve().name, []
+    for cp in (cp for pid in order for cp in cps.get(pid, [])):
+        prev = None
+        for c in cp.get('calls', []):
+            prev = c['prompt'] if c.get('prompt') is not None else prev
+            out.append({'run': name, **c, 'prompt': prev})
+    return out
 
 # %% ../nbs/24a_run_folder.ipynb #03ebea81
 def calls_frame(rows):

@@ -126,13 +126,13 @@ def problem_table(view: RunView, iteration: int | None = None) -> str:
     lines.append(f"(one problem's iterations: tmas runs show {view.run.run_dir} --problem ID)")
     return '\n'.join(lines)
 
-# %% ../nbs/24d_run_show.ipynb #e6ef76b9
+# %% ../nbs/24d_run_show.ipynb #af93f2b2
 def call_node(c, full: bool = False) -> tuple:
     "One call row (`Run.calls`) as a node: role, score of a review, finish reason, tokens, seconds, and its shortened reply."
     if c.role == 'verification':
         s = None if c.finish_reason == 'length' else parse_verification_score(c.reply)
         what = f"review {c.sample + 1} · score {'cut off' if c.finish_reason == 'length' else 'unreadable' if s is None else f'{s:g}'}"
-    else: what = c.role + (f' {c.sample + 1}' if c.sample else '')
+    else: what = c.role
     cut = ' (cut by the token limit)' if c.finish_reason == 'length' else ''
     how = f"{c.finish_reason}{cut} · {c.completion_tokens} tokens · {c.end - c.start:.1f} s{' · replayed' if c.cached else ''}"
     return f'{what} · {how}', shorten(c.reply, full), []
@@ -151,14 +151,16 @@ def candidate_head(r, word: str = 'candidate') -> str:
     return (f'{word} {r.candidate} · {r.branch} · {r.finish_reason}{cut} · answer {_clip(r.answer or "—", 40)} · {verdict}'
             f'{scores}{verified} · {r.completion_tokens} tokens')
 
-# %% ../nbs/24d_run_show.ipynb #6cd058d0
+# %% ../nbs/24d_run_show.ipynb #9f6b02d1
 def candidate_node(view: RunView, r, role: str | None = None, full: bool = False, word: str = 'candidate') -> tuple:
     "One candidate record as a node: its description and, as children, its calls by role (or only `role`'s)."
     calls = view.calls_of(r.problem_id, r.iteration, r.candidate)
     kids = [call_node(c, full) for rl in CANDIDATE_ROLES if role in (None, rl)
             for c in calls[calls.role == rl].itertuples()]
     if not len(calls) and role in (None, 'solution') and r.solution:
-        kids.append(('solution (from the records: this run kept no calls)', shorten(r.solution, full), []))
+        why = ("the voted candidate's solution (no model call)" if r.branch == 'majority' else
+               'solution (from the records: this run kept no calls)' if not len(view.calls) else 'solution (from the records)')
+        kids.append((why, shorten(r.solution, full), []))
     if not (calls.role == 'summary').any() and role in (None, 'summary') and r.summary:
         kids.append(('summary (from the records)', shorten(r.summary, full), []))
     return candidate_head(r, word), [], kids
