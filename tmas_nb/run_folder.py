@@ -419,13 +419,15 @@ def load_run(run_dir) -> Run:
 
 # %% ../nbs/24a_run_folder.ipynb #35bcf62e
 @patch
-def calls(self:Run):
-    "Every model call of the run, one row per sample (`CALL_COLUMNS`): from `calls.parquet` when finished, else from the checkpoints."
+def calls(self:Run, problem_id: str | None = None):
+    "Every model call of the run (or of one problem), one row per sample (`CALL_COLUMNS`): from `calls.parquet` when finished, else from the checkpoints."
     path, cps = self.run_dir / 'calls.parquet', self.run_dir / 'checkpoints'
     if path.exists() and (self.complete or not cps.is_dir()):
-        return calls_frame(_checked(pd.read_parquet(path), CALL_COLUMNS, path))
-    df = calls_frame(collect_calls(self.run_dir, self.config.get('problem_ids')) if cps.is_dir() else [])
-    if len(df) == 0 and len(self.records):
+        where = [('problem_id', '==', str(problem_id))] if problem_id is not None else None
+        return calls_frame(_checked(pd.read_parquet(path, filters=where), CALL_COLUMNS, path))
+    rows = collect_calls(self.run_dir, self.config.get('problem_ids')) if cps.is_dir() else []
+    df = calls_frame([r for r in rows if problem_id is None or r['problem_id'] == str(problem_id)])
+    if not rows and len(self.records):                    # the run has none at all
         df.attrs['note'] = (f"{self.run_dir}: no calls recorded (a run folder of an older version, or a method that does not "
                             f"call the model through its agents); its prompts and replies are only in calls.sqlite")
         print(df.attrs['note'], file=sys.stderr)

@@ -49,7 +49,7 @@ def tree_lines(nodes: Sequence[tuple], prefix: str = '') -> list[str]:
         out += tree_lines(kids, inner)
     return out
 
-# %% ../nbs/24d_run_show.ipynb #c6d6ae6e
+# %% ../nbs/24d_run_show.ipynb #32d2d6df
 @dataclass
 class RunView:
     "What `tmas runs show` reads of a run folder: the `Run`, its calls (`Run.calls`) and the checkpoints of each problem, read when first asked for."
@@ -58,10 +58,10 @@ class RunView:
     cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def open(cls, run_dir) -> RunView:
-        "Open `run_dir` (finished, running or interrupted) for the view."
+    def open(cls, run_dir, problem_id: str | None = None) -> RunView:
+        "Open `run_dir` (finished, running or interrupted) for the view (of one problem's calls only, with `problem_id`)."
         run = load_run(run_dir)
-        return cls(run, run.calls())
+        return cls(run, run.calls(problem_id))
 
     def checkpoints(self, problem_id: str) -> list[dict]:
         "The checkpoints of one problem, iteration 0 first."
@@ -282,11 +282,11 @@ def problem_tree(view: RunView, problem_id: str, iteration: int | None = None, r
     nodes = [iteration_node(view, str(problem_id), it, role, full) for it in (its if iteration is None else [iteration])]
     return '\n'.join([head, *tree_lines(nodes)])
 
-# %% ../nbs/24d_run_show.ipynb #c25da3ac
+# %% ../nbs/24d_run_show.ipynb #35c57f88
 def show_run_text(run_dir, problem: str | None = None, iteration: int | None = None, role: str | None = None,
                   full: bool = False) -> str:
     "The text of `tmas runs show`: problems × iterations, or one problem's iterations as a tree (every problem's with `role` alone)."
-    view = RunView.open(run_dir)
+    view = RunView.open(run_dir, problem)
     if problem is None and role is None: text = problem_table(view, iteration)
     else:
         ids = [str(problem)] if problem is not None else list(dict.fromkeys(view.run.records.problem_id))
