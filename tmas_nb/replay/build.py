@@ -496,6 +496,8 @@ async def chunked_branch(self:ServerBranches, prompt: list[int], question: int, 
     while not br.done: await self.interval(prompt, br, server_chunk_seed(self.s.seed, question, branch, br.chunks))
     return br.branch()
 
+
+# %% ../../nbs/08_replay_build.ipynb #2e606507
 @patch
 async def chunked_question(self:ServerBranches, question: str, qi: int) -> list[Branch]:
     "All branches of question number `qi`, chunked, their intervals sent together."

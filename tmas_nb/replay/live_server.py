@@ -5,7 +5,7 @@
 # %% ../../nbs/08d_replay_live_server.ipynb #0845bb2c
 from __future__ import annotations
 import asyncio, threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fastcore.basics import patch
 
@@ -44,7 +44,7 @@ class ServerLiveModel:
         session = self.call(_server_session(self.backend, tokenizer, self.s))   # reachable, serving the model, tokenizer agreeing
         self.tok, self.name = session.tok, self.backend.model
 
-# %% ../../nbs/08d_replay_live_server.ipynb #6dfde10a
+# %% ../../nbs/08d_replay_live_server.ipynb #f8124a95
 @patch
 def call(self:ServerLiveModel, coro):
     "Run the coroutine `coro` on the model's event loop and wait for its result (from any other thread)."
@@ -55,11 +55,13 @@ def call(self:ServerLiveModel, coro):
         raise RuntimeError("ServerLiveModel.call: called on its own event loop; drive the environment from a worker thread (asyncio.to_thread)")
     return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
+# %% ../../nbs/08d_replay_live_server.ipynb #1bfc647f
 @patch
 def worker(self:ServerLiveModel, llm=None) -> ServerBranches:
     "The per-episode request maker: requests through `llm` (default: the model's), tokens from the local tokenizer or the server."
     return ServerBranches(llm or self.llm, self.s, self.tok, api=self.backend)
 
+# %% ../../nbs/08d_replay_live_server.ipynb #91518a2e
 @patch
 def close(self:ServerLiveModel) -> None:
     "Close the connections and stop the loop this model started (a loop given to it is left running)."
@@ -92,6 +94,8 @@ def _start(self:ServerLiveEnv, b: int, whole: bool = False) -> None:
     for k in bs: self.gen[k], self.intervals[k] = ChunkedBranch(), []
     self.groups.append(Batch(bs, whole))
 
+
+# %% ../../nbs/08d_replay_live_server.ipynb #fb37deae
 @patch
 def _split(self:ServerLiveEnv, g: Batch, keep: list[int]) -> None:
     "Let the branches `keep` of batch g go on in g; the others wait in a batch of their own."
@@ -101,21 +105,17 @@ def _split(self:ServerLiveEnv, g: Batch, keep: list[int]) -> None:
 
 # %% ../../nbs/08d_replay_live_server.ipynb #6ff2be9c
 @patch
-async def _advance(self:ServerLiveEnv, bs: list[int], probe: bool) -> list:
-    "The next interval of every branch of `bs`, requested at once."
-    w, q, seed = self.worker, self.question, self.live.s.seed
-    return await asyncio.gather(*(w.interval(self.prompt, self.gen[b], server_chunk_seed(seed, q, b, self.gen[b].chunks), probe)
-                                  for b in bs))
-
-@patch
 def _grow(self:ServerLiveEnv, g: Batch, need: int) -> None:
     "Decode the next interval of batch g: its live branches whose readers are less than `lookahead` behind, `need` always."
     g.branches = [b for b in g.branches if not (b < self.m and self.pruned[b])]
     if not g.whole: self._split(g, [b for b in g.branches if b == need or self._ahead(b) < self.lookahead])
-    bs = list(g.branches)
-    got = self.live.call(self._advance(bs, not g.whole))
+    bs, w, seed = list(g.branches), self.worker, self.live.s.seed
+    async def advance():      # the next interval of every branch of the batch, requested at once
+        return await asyncio.gather(*(w.interval(self.prompt, self.gen[b], server_chunk_seed(seed, self.question, b, self.gen[b].chunks),
+                                                 not g.whole) for b in bs))
+    got = self.live.call(advance())
     self.decode_calls += 1; self.rounds.append(len(bs))
-    self.probe_calls, self.probe_tokens = self.worker.probe_calls, self.worker.probe_tokens
+    self.probe_calls, self.probe_tokens = w.probe_calls, w.probe_tokens
     for b, ivs in zip(bs, got):
         for a, c, fin in ivs: self._record(b, a, c, fin)
     g.branches = [b for b in bs if not self.gen[b].done]
@@ -131,11 +131,14 @@ def _restart(self:ServerLiveEnv, b: int) -> None:
         if not g.branches: self.groups.remove(g)
     self.discarded += self.gen.pop(b).n; del self.intervals[b]
 
+
+# %% ../../nbs/08d_replay_live_server.ipynb #cc8a78e8
 @patch(as_prop=True)
 def tokens_generated(self:ServerLiveEnv) -> int:
     "Tokens the server generated for branches (its own counts; read or not, discarded included)."
     return sum(br.n for br in self.gen.values()) + self.discarded
 
+# %% ../../nbs/08d_replay_live_server.ipynb #ed4fe965
 @patch
 def usage(self:ServerLiveEnv) -> dict:
     "`LiveEnv.usage`, plus the requests of the episode and the rounds they went out in."
