@@ -32,6 +32,7 @@ FLAGS = {
     '--decode': ('the in-process decode loop', {'doctor'}),
     '--engines': ('a subset of the CPU engines', {'engines calibrate'}),
     '--tokenizer': ("the served model's tokenizer", {'replay build'}),
+    '--chunked': ('with --base-url: one request per probe interval, as a live controller run through a server decodes', {'replay build'}),
     '--proposer': ('the model that writes controllers', {'discover'}),
     '--critic': ('the model that reviews them', {'discover'}),
     '--judge': ('the judge model (a name, a folder or a server URL)', {'judge', 'rl train'}),

@@ -16,7 +16,7 @@ from ..core import atomic_write_json, atomic_write_text
 from ..settings import deprecated_alias
 from ..grading import extract_answer, clean_answer
 from ..data import load_benchmark, SOLVE_PROMPT, Problem
-from ..llm.core import Request, run_sync
+from ..llm.core import Completion, Request, run_sync
 from ..llm.models import canonical_model_name, load_model_and_tokenizer, packaged_model, resolve_model
 from ..llm.openai_backend import LLMRequestError, OpenAIBackend
 from ..llm.transformers_backend import (_cache_arg, _prefill, _row_sampler_class, chat_prompt_ids, end_token_ids,
@@ -27,7 +27,7 @@ from .store import ReplayStore, load_store_file
 __all__ = ['NO_ANSWER', 'PROBE_SUFFIX', 'store_answer', 'box_end', 'probe_reading', 'BuildSettings', 'probe_batch', 'Branch',
            'branch_seeds', 'prompt_ids', 'Rows', 'start_rows', 'keep_rows', 'branch_picker', 'decode_rows',
            'sample_branches', 'parts_dir', 'sidecar_path', 'question_record', 'ServerSettings', 'build_store',
-           'server_branch_seeds', 'ServerBranches', 'build_cli']
+           'server_branch_seeds', 'ServerBranches', 'server_chunk_seed', 'ChunkedBranch', 'build_cli']
 
 # %% ../../nbs/08_replay_build.ipynb #e5f5ed91
 NO_ANSWER = 'ERR'
@@ -266,6 +266,7 @@ def _check_resume(side: Path, meta: dict):
     old = json.loads(side.read_text())
     diff = [k for k in ('model', 'benchmark', 'settings') if old.get(k) != meta.get(k)]
     if old.get('engine', 'transformers') != meta.get('engine', 'transformers'): diff.append('engine')
+    if old.get('decode', 'whole') != meta.get('decode', 'whole'): diff.append('decode (--chunked)')
     if diff:
         raise ValueError(f"{side}: an earlier build with different {', '.join(diff)} wrote here; "
                          f"pass another --out or delete {side} and {side.with_name(side.name.replace('.build.json', '.json.parts'))}")
@@ -319,6 +320,7 @@ class ServerSettings:
     tokenizer: object = None       # a tokenizer, a packaged name, a folder or hub id, or 'server'
     api_key: str | None = None
     concurrency: int = 16
+    chunked: bool = False          # one request per interval of T tokens, as a live run through the server decodes
 
 # %% ../../nbs/08_replay_build.ipynb #987d4863
 def _settings_of(settings, server, given: dict) -> tuple[BuildSettings, ServerSettings]:
@@ -351,7 +353,7 @@ def build_store(llm_or_model, benchmark, limit: int | None = None, out='store.js
     if _is_server(llm_or_model):
         if srv.concurrency < 1: raise ValueError(f"--concurrency must be >= 1, got {srv.concurrency}")
         llm = _server_backend(llm_or_model, srv.model, srv.api_key, srv.concurrency)
-        return run_sync(_build_through_server(llm, problems, bench, s, out, progress, srv.tokenizer))
+        return run_sync(_build_through_server(llm, problems, bench, s, out, progress, srv.tokenizer, srv.chunked))
     m, tok, name = _model_and_tokenizer(llm_or_model)
     meta = {'model': name, 'engine': 'transformers', 'benchmark': bench, 'settings': s.to_dict(),
             'problem_ids': [p.id for p in problems],
@@ -380,17 +382,19 @@ def _local_tokenizer(tokenizer, served_model: str):
 # %% ../../nbs/08_replay_build.ipynb #ec39e937
 class ServerBranches:
     "Sample and probe the branches of one question through a server's completions endpoint."
-    def __init__(self, llm, settings: BuildSettings, tokenizer=None):
+    def __init__(self, llm, settings: BuildSettings, tokenizer=None, api=None):
         self.llm, self.s, self.tok = llm, settings, tokenizer
+        self.api = api or llm          # the backend asked for tokens when there is no local tokenizer
         self.token_source = 'tokenizer' if tokenizer is not None else 'tokenize'
         self._suffix = None
+        self.probe_calls = self.probe_tokens = 0
 
 # %% ../../nbs/08_replay_build.ipynb #be8a901b
 @patch
 async def encode(self:ServerBranches, text: str) -> list[int]:
     "Token ids of generated text (no special tokens added): the local tokenizer's, else the server's."
     if self.tok is not None: return list(self.tok.encode(text, add_special_tokens=False))
-    return await self.llm.tokenize(text)
+    return await self.api.tokenize(text)
 
 # %% ../../nbs/08_replay_build.ipynb #30696ff2
 @patch
@@ -398,7 +402,7 @@ async def prompt_ids(self:ServerBranches, question: str) -> list[int]:
     "Token ids of the solve prompt through the chat template (rendered locally, else by the server)."
     if self.tok is not None: return prompt_ids(self.tok, question, self.s)
     msgs = Request.from_prompt(self.s.prompt.format(question=question)).messages
-    return await self.llm.tokenize(messages=msgs, enable_thinking=self.s.enable_thinking)
+    return await self.api.tokenize(messages=msgs, enable_thinking=self.s.enable_thinking)
 
 # %% ../../nbs/08_replay_build.ipynb #1fa1bc2b
 @patch
@@ -412,6 +416,7 @@ async def complete(self:ServerBranches, ids: list[int], role: str, **kw):
 async def probe(self:ServerBranches, ids: list[int]) -> str:
     "The answer forced out of `ids` (which end with the probe suffix), by a short greedy completion."
     c = await self.complete(ids, 'probe', temperature=0, max_new_tokens=self.s.probe_tokens)
+    self.probe_calls += 1; self.probe_tokens += c.completion_tokens
     return probe_reading(self.s.probe_suffix, c.raw)
 
 # %% ../../nbs/08_replay_build.ipynb #44ed97f4
@@ -440,6 +445,64 @@ async def question(self:ServerBranches, question: str, seeds: list[int]) -> list
     "All branches of one question, sent together."
     prompt = await self.prompt_ids(question)
     return list(await asyncio.gather(*(self.branch(prompt, sd) for sd in seeds)))
+
+# %% ../../nbs/08_replay_build.ipynb #9f4daf09
+def server_chunk_seed(seed: int, question: int, branch: int, chunk: int) -> int:
+    "The seed sent to the server for interval `chunk` of branch `branch` of question `question` (31 bits, as `server_branch_seeds`)."
+    return row_seed(branch_seeds(seed, question, branch + 1)[branch], chunk) % 2 ** 31
+
+# %% ../../nbs/08_replay_build.ipynb #00f901e4
+@dataclass
+class ChunkedBranch:
+    "A branch decoded one interval per request: its ids (each chunk's text re-tokenized), its text, the tokens the server counted, its probes."
+    ids: list[int] = field(default_factory=list)
+    raw: str = ''
+    n: int = 0                          # tokens the server generated for it, end token included
+    chunks: int = 0                     # requests made
+    probes: list = field(default_factory=list)
+    final: str | None = None
+    finish_reason: str | None = None    # None while it runs
+    @property
+    def done(self) -> bool: return self.finish_reason is not None
+    def branch(self) -> Branch: return Branch(self.ids, list(self.probes), self.final, self.finish_reason, counted=self.n)
+
+# %% ../../nbs/08_replay_build.ipynb #5e4ce95d
+@patch
+async def interval(self:ServerBranches, prompt: list[int], br: ChunkedBranch, seed: int, probe: bool = True) -> list[tuple]:
+    "Decode the next interval of `br` (one seeded request continuing prompt + its ids), probe where due (always at the cap); the intervals it completed as (answer, tokens, finished)."
+    s, T, L = self.s, self.s.probe_every, self.s.max_new_tokens
+    if self._suffix is None: self._suffix = await self.encode(s.probe_suffix)
+    c = await self.complete(prompt + br.ids, 'branch', temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                            max_new_tokens=min(T - br.n % T, L - br.n), seed=seed)
+    ids = await self.encode(c.raw)
+    br.ids, br.raw, br.chunks = br.ids + ids, br.raw + c.raw, br.chunks + 1
+    br.n += c.completion_tokens if c.completion_tokens > 0 else len(ids) + (c.finish_reason != 'length')
+    if c.finish_reason != 'length':     # it ended (the end token is counted)
+        full = Completion.from_raw(br.raw, finish_reason='stop')
+        br.final, br.finish_reason = store_answer(extract_answer(full.text or full.raw)), 'stop'
+        return [(br.final, br.n - T * len(br.probes), True)]
+    due, last = br.n % T == 0, br.n >= L
+    a = await self.probe(prompt + br.ids + self._suffix) if last or (due and probe) else None
+    out = []
+    if due: br.probes.append(a); out.append((a, T, False))
+    if last: br.final, br.finish_reason = a, 'length'; out.append((a, br.n - T * len(br.probes), True))
+    return out
+
+# %% ../../nbs/08_replay_build.ipynb #346ffa32
+@patch
+async def chunked_branch(self:ServerBranches, prompt: list[int], question: int, branch: int) -> Branch:
+    "Branch `branch` of question `question`, decoded interval by interval as a live run through the server decodes it."
+    br = ChunkedBranch()
+    while not br.done: await self.interval(prompt, br, server_chunk_seed(self.s.seed, question, branch, br.chunks))
+    return br.branch()
+
+
+# %% ../../nbs/08_replay_build.ipynb #2e606507
+@patch
+async def chunked_question(self:ServerBranches, question: str, qi: int) -> list[Branch]:
+    "All branches of question number `qi`, chunked, their intervals sent together."
+    prompt = await self.prompt_ids(question)
+    return list(await asyncio.gather(*(self.chunked_branch(prompt, qi, b) for b in range(self.s.branches))))
 
 # %% ../../nbs/08_replay_build.ipynb #23d47b6b
 def _server_backend(llm_or_url, model: str | None, api_key: str | None, concurrency: int):
@@ -491,21 +554,26 @@ def _server_error(llm, e) -> ValueError:
     return ValueError(f"the server build failed: {e}")
 
 # %% ../../nbs/08_replay_build.ipynb #3accf286
-async def _build_through_server(llm, problems, bench, s: BuildSettings, out: Path, progress: bool, tokenizer) -> ReplayStore:
+async def _build_through_server(llm, problems, bench, s: BuildSettings, out: Path, progress: bool, tokenizer,
+                                chunked: bool = False) -> ReplayStore:
     "The server build: a few questions in flight at once, each checkpointed as soon as it is done."
     try:
         worker = await _server_session(llm, tokenizer, s)
         name = llm.model
         meta = {'model': name, 'engine': 'server', 'benchmark': bench, 'settings': s.to_dict(),
                 'problem_ids': [p.id for p in problems],
-                'branch_seeds': 'tmas_nb.replay.build.server_branch_seeds(seed, question index, branches)',
+                'branch_seeds': ('tmas_nb.replay.build.server_chunk_seed(seed, question index, branch, interval)' if chunked else
+                                 'tmas_nb.replay.build.server_branch_seeds(seed, question index, branches)'),
                 'base_url': llm.base_url, 'served_model': name, 'token_source': worker.token_source,
                 'tokenizer': None if worker.tok is None else (tokenizer if isinstance(tokenizer, str) else name)}
+        if chunked: meta['decode'] = 'chunked'
         t0, done = time.time(), 0
         todo = _todo(problems, out, meta)
         gate = asyncio.Semaphore(max(1, llm.max_concurrency // (s.branches * (1 + s.max_new_tokens // s.probe_every))) + 1)
         async def one(qi):
-            async with gate: return qi, await worker.question(problems[qi].question, server_branch_seeds(s.seed, qi, s.branches))
+            async with gate:
+                if chunked: return qi, await worker.chunked_question(problems[qi].question, qi)
+                return qi, await worker.question(problems[qi].question, server_branch_seeds(s.seed, qi, s.branches))
         bar = tqdm(desc=f'building {out.name}', unit='question', disable=not progress, total=len(problems),
                    initial=len(problems) - len(todo))
         tasks = [asyncio.ensure_future(one(qi)) for qi in todo]
@@ -525,11 +593,12 @@ async def _build_through_server(llm, problems, bench, s: BuildSettings, out: Pat
 def _cmd_build(args) -> int:
     if args.threads:
         import torch; torch.set_num_threads(args.threads)
-    if not args.base_url and (args.tokenizer or args.api_key):
-        raise ValueError("--tokenizer and --api-key are for a server build; add --base-url URL")
+    if not args.base_url and (args.tokenizer or args.api_key or getattr(args, 'chunked', False)):
+        raise ValueError("--tokenizer, --api-key and --chunked are for a server build; add --base-url URL")
     s = BuildSettings(branches=args.branches, probe_every=args.probe_every, max_new_tokens=args.max_new_tokens, seed=args.seed,
                       temperature=args.temperature, top_p=args.top_p, probe_tokens=args.probe_tokens)
-    server = ServerSettings(args.model, args.tokenizer, args.api_key, args.requests_in_flight) if args.base_url else None
+    server = (ServerSettings(args.model, args.tokenizer, args.api_key, args.requests_in_flight, getattr(args, 'chunked', False))
+              if args.base_url else None)
     st = build_store(args.base_url or args.model, args.benchmark, args.limit, out=args.out, data_dir=args.data_dir,
                      settings=s, server=server, progress=not args.quiet)
     print(f"{args.out}: {st.n_questions} questions x {int(st.n_branches.max())} branches, a probe every {args.probe_every} tokens, "
@@ -560,6 +629,9 @@ def build_cli(b) -> None:
                    help="tokenizer of the served model for --base-url (default: --model when it is packaged or a local folder, "
                         "else the server's; 'server' forces the server's)")
     b.add_argument('--requests-in-flight', type=int, default=16, help='most requests in flight with --base-url (default 16)')
+    b.add_argument('--chunked', action='store_true',
+                   help='with --base-url: one request per probe interval, seeded per interval, as `tmas run --method controller` '
+                        'decodes through a server (a live run then equals replay of this store)')
     deprecated_alias(b, '--concurrency', '--requests-in-flight', 'requests_in_flight', type=int)
     b.add_argument('--quiet', action='store_true', help='no progress bar')
     b.set_defaults(func=_cmd_build)

@@ -56,11 +56,15 @@ class LiveEnv(ReplayEnv):
         self.store = self.store if self.store is not None else LiveAnswers()
         self.order = np.arange(B, dtype=np.int32)
         self.depth, self.tokens_read, self.pruned, self.latest, self.probes_revealed, self.trace = [], [], [], [], [], []
-        self.seeds = branch_seeds(s.seed, self.question, B)
-        self.sampler = _row_sampler_class()(self.seeds, s.temperature, s.top_k, s.top_p) if s.temperature > 0 else None
         self.gen, self.intervals, self.groups = {}, {}, []
-        self.prompt = prompt_ids(self.live.tok, self.text, s)
         self.probe_tokens = self.decode_calls = self.probe_calls = self.discarded = 0
+        self._open()
+    def _open(self):
+        "What the model side needs per episode: the branch seeds and sampler, the prompt's ids."
+        s = self.live.s
+        self.seeds = branch_seeds(s.seed, self.question, s.branches)
+        self.sampler = _row_sampler_class()(self.seeds, s.temperature, s.top_k, s.top_p) if s.temperature > 0 else None
+        self.prompt = prompt_ids(self.live.tok, self.text, s)
 
 # %% ../../nbs/08a_replay_live.ipynb #16e960a8
 @patch

@@ -17,6 +17,7 @@ from .controllers import CONTROLLERS, cmc_schedule, parse_controller
 from .files import static_api_of
 from .live import LiveEnv, LiveModel
 from .live_files import SandboxedController
+from .live_server import ServerLiveEnv, ServerLiveModel, server_backend
 from ..settings import SandboxSettings
 
 # %% auto #0
@@ -131,20 +132,25 @@ def token_model(llm):
         if hasattr(llm, 'model') and hasattr(llm, 'tokenizer'): return llm
         if hasattr(llm, 'factory') and getattr(llm, 'backend', None) is None: llm._build()
         llm = getattr(llm, 'backend', None) or getattr(llm, 'llm', None)
-    raise ValueError("--method controller decodes branch by branch in this process: use --backend transformers "
-                     "(servers and llama.cpp do not give the token-level access the live probes need here)")
+    raise ValueError("--method controller runs on a model in this process (--backend transformers) or behind an OpenAI-compatible "
+                     "server with /v1/completions (--backend openai --base-url URL); the llama.cpp backend is not supported: "
+                     "serve the model (tmas serve) and pass --base-url")
 
 # %% ../../nbs/08c_replay_live_run.ipynb #fa3e496d
 @patch
-def _live_model(self:ControllerMethod, llm) -> LiveModel:
+def _live_model(self:ControllerMethod, llm, loop=None) -> LiveModel | ServerLiveModel:
+    "The run's model: behind a server (requests on the run's event loop `loop`), else in this process."
     with self._lock:
-        if self._live is None: self._live = LiveModel(token_model(llm), self.config.build_settings())
+        if self._live is None:
+            srv, s = server_backend(llm), self.config.build_settings()
+            if srv is not None and not srv.model_id.startswith('llama.cpp:'): self._live = ServerLiveModel(llm, s, loop=loop)
+            else: self._live = LiveModel(token_model(llm), s)
         return self._live
 
 # %% ../../nbs/08c_replay_live_run.ipynb #30144397
 @patch
-def solve(self:ControllerMethod, live: LiveModel, q: int, question: str) -> tuple:
-    "Run the controller on question `q`: (answer, usage of the episode, description of the controller)."
+def solve(self:ControllerMethod, live: LiveModel | ServerLiveModel, q: int, question: str, llm=None) -> tuple:
+    "Run the controller on question `q`: (answer, usage of the episode, description of the controller); a server's requests go through `llm`."
     c = self.config
     if c.controller.startswith('discovery:') or c.controller.endswith('.py') or Path(c.controller).is_file():
         with self._lock:
@@ -152,7 +158,8 @@ def solve(self:ControllerMethod, live: LiveModel, q: int, question: str) -> tupl
         ctl, desc = self._file
     else: ctl, desc = open_controller(c)
     width = c.width or opening_width(ctl, c.branches)
-    env = LiveEnv(question=q, live=live, text=question, width=width, lookahead=c.lookahead)
+    kw = dict(question=q, live=live, text=question, width=width, lookahead=c.lookahead)
+    env = ServerLiveEnv(**kw, llm=llm) if isinstance(live, ServerLiveModel) else LiveEnv(**kw)
     if isinstance(ctl, SandboxedController):
         with self._lock: a = ctl.run(env)
     else: a = ctl.run(env)
@@ -162,9 +169,9 @@ def solve(self:ControllerMethod, live: LiveModel, q: int, question: str) -> tupl
 @patch
 async def step(self:ControllerMethod, llm, problem, state, banks, iteration):
     if problem.id not in self.index: raise ValueError(f"problem {problem.id!r} was not numbered: call bind_problems(problems) first")
-    live = await asyncio.to_thread(self._live_model, llm)
-    a, usage, desc = await asyncio.to_thread(self.solve, live, self.index[problem.id], problem.question)
-    if hasattr(llm, 'usage'):
+    live = await asyncio.to_thread(self._live_model, llm, asyncio.get_running_loop())
+    a, usage, desc = await asyncio.to_thread(self.solve, live, self.index[problem.id], problem.question, llm)
+    if hasattr(llm, 'usage') and not isinstance(live, ServerLiveModel):   # a server's requests counted themselves
         llm.usage.add('branch', [Completion('', completion_tokens=usage['tokens_generated'])])
         llm.usage.add('probe', [Completion('', completion_tokens=usage['probe_tokens'])])
     rec = candidate('controller', None, solution=f"\\boxed{{{a}}}" if a else '')
