@@ -261,12 +261,13 @@ def interval_label(name: str, value, low=None, high=None, p=None, fmt: str = '.1
     return s
 
 # %% ../nbs/90_reporting.ipynb #c6c47c15
-def runs_curve(ax, frame: pd.DataFrame, x: str, y: str, label: str, run: str = 'run', **kw):
+def runs_curve(ax, frame: pd.DataFrame, x: str, y: str, label: str, **kw):
     "Mean of `y` over runs at each `x`, a ± 1 s.d. band where two or more runs have the point; the legend says how many runs."
     g = frame.groupby(x)[y]
     m, sd, n = g.mean(), g.std(ddof=1), g.count()
-    runs = int(frame[run].nunique()) if run in frame else int(n.max())
-    text = f'{label} (mean ± s.d. of {runs} runs)' if runs >= 2 else f'{label} (1 run: no interval)'
+    lo, hi = int(n.min()), int(n.max())   # runs behind each point
+    per = f'{hi} runs' if lo == hi else f'{lo}–{hi} runs per point'
+    text = f'{label} (mean ± s.d. of {per})' if hi >= 2 else f'{label} (1 run: no interval)'
     line, = ax.plot(m.index, m.values, marker='o', label=text, **kw)
     band = (n >= 2).to_numpy() & np.isfinite(sd.to_numpy())
     if band.any():
