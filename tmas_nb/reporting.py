@@ -4,13 +4,21 @@
 
 # %% ../nbs/90_reporting.ipynb #cb9c65e8
 from __future__ import annotations
-import argparse, glob, json, sys, time
+import argparse, glob, json, math, os, sys, time
 from pathlib import Path
+
+import matplotlib
+from matplotlib import ticker
+import numpy as np
+import pandas as pd
+from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 
 from .core import repo_root, find_data_dir, DATA_HINT
 
 # %% auto #0
-__all__ = ['REPORT_INPUTS', 'reports_dir', 'list_reports', 'run_report', 'report_defaults', 'missing_input', 'report_cli']
+__all__ = ['PATH_PARAMETERS', 'REPORT_INPUTS', 'FIGURE_DPI', 'STYLE', 'reports_dir', 'list_reports', 'resolve_paths',
+           'report_kernel', 'run_report', 'report_defaults', 'missing_input', 'report_cli', 'use_style', 'figure_style',
+           'save_figure', 'iteration_ticks', 'interval_label', 'runs_curve', 'plain_ticks', 'footnote']
 
 # %% ../nbs/90_reporting.ipynb #55f9aab8
 def reports_dir() -> Path:
@@ -23,21 +31,45 @@ def list_reports() -> list[str]:
     "Names of the available reports."
     return sorted(p.stem for p in reports_dir().glob('*.ipynb'))
 
-def run_report(name: str, out: str | Path = 'reports/out', parameters: dict | None = None, kernel: str | None = None,
+# %% ../nbs/90_reporting.ipynb #aa8cbd54
+PATH_PARAMETERS = ('data_dir', 'runs', 'out_dir', 'run_dir', 'ablation_dirs', 'store_file', 'demo_dir', 'grid_file', 'tmas_runs')
+"Report parameters that hold paths: one path or glob, a list of them, or a dict of label → path."
+
+# %% ../nbs/90_reporting.ipynb #6283f58c
+def resolve_paths(value, root: str | os.PathLike | None = None):
+    "`value` (a path or glob, a list or a dict of them) with every relative path made absolute against `root` (default: the repository root)."
+    if value is None: return None
+    base = Path(root) if root is not None else repo_root()
+    if isinstance(value, dict): return {k: resolve_paths(v, base) for k, v in value.items()}
+    if isinstance(value, (list, tuple)): return [resolve_paths(v, base) for v in value]
+    p = Path(os.path.expanduser(str(value)))
+    return str(p if p.is_absolute() else base / p)
+
+# %% ../nbs/90_reporting.ipynb #550dc912
+def report_kernel() -> str:
+    "The kernel a report runs on: `tmas_nb` when that kernel starts this Python, else `python3`."
+    try: spec = KernelSpecManager().get_kernel_spec('tmas_nb')
+    except NoSuchKernel: return 'python3'
+    exe = spec.argv[0] if spec.argv else ''
+    return 'tmas_nb' if exe and os.path.abspath(exe) == os.path.abspath(sys.executable) else 'python3'
+
+# %% ../nbs/90_reporting.ipynb #338e5bfd
+def run_report(name: str, out: str | Path | None = None, parameters: dict | None = None, kernel: str | None = None,
                progress: bool = True) -> Path:
-    "Execute report `name` with papermill into `out/name/`; returns that folder."
+    "Execute report `name` with papermill into `out/name/` (default: `reports/out/` in the repository); returns that folder."
     import papermill as pm
     names = list_reports()
     if name not in names: raise ValueError(f"unknown report {name!r}; available: {', '.join(names)}")
-    dest = Path(out).resolve() / name
+    dest = (Path(out).resolve() if out is not None else repo_root() / 'reports' / 'out') / name
     dest.mkdir(parents=True, exist_ok=True)
-    params = dict(parameters or {}); params.setdefault('out_dir', str(dest))
+    params = {k: resolve_paths(v, Path.cwd()) if k in PATH_PARAMETERS else v for k, v in (parameters or {}).items()}
+    params.setdefault('out_dir', str(dest))
     pm.execute_notebook(str(reports_dir() / f'{name}.ipynb'), str(dest / f'{name}.ipynb'), parameters=params,
-                        kernel_name=kernel or 'python3', language='python', progress_bar=progress)
+                        kernel_name=kernel or report_kernel(), language='python', progress_bar=progress)
     return dest
 
 # %% ../nbs/90_reporting.ipynb #9bc74dea
-_RUN_HINT = 'tmas run --method {method} --benchmark demo --model default --limit 20 --out runs/demo_{method}'
+_RUN_HINT = 'tmas run --method {method} --benchmark demo --model default --preset cpu-demo --out runs/demo_{method}'
 
 REPORT_INPUTS = {  # report: (input, run methods it needs / the path parameter it reads, the command that makes the input)
     'autotts_table': ('data', None, 'tmas data fetch autotts (or set TMAS_DATA_DIR)'),
@@ -93,7 +125,8 @@ def _run_methods(runs) -> list[str]:
 def missing_input(name: str, parameters: dict | None = None) -> str | None:
     "What report `name` lacks to run with `parameters` (and the command that makes it), or None when it can run."
     kind, methods, make = REPORT_INPUTS.get(name, (None, None, ''))
-    p = {**(report_defaults(name) if kind else {}), **(parameters or {})}
+    defaults = {k: resolve_paths(v) if k in PATH_PARAMETERS else v for k, v in (report_defaults(name) if kind else {}).items()}
+    p = {**defaults, **{k: resolve_paths(v, Path.cwd()) if k in PATH_PARAMETERS else v for k, v in (parameters or {}).items()}}
     if kind == 'data':
         try: root = find_data_dir(p.get('data_dir'))
         except FileNotFoundError as e: return f"{e}"
@@ -104,7 +137,7 @@ def missing_input(name: str, parameters: dict | None = None) -> str | None:
         if not path or not Path(path).exists():
             return f"needs {methods}={path!r}, which does not exist; make it with `{make}`"
     if kind == 'runs':
-        runs = p.get('runs', 'runs/*')
+        runs = p.get('runs', resolve_paths('runs/*'))
         found = _run_methods(runs)
         want = f"a run folder of method {' or '.join(sorted(methods))}" if methods else 'run folders'
         if not found or (methods and not set(found) & methods):
@@ -135,15 +168,16 @@ def _one_line(e: BaseException) -> str:
 # %% ../nbs/90_reporting.ipynb #9bd35fd2
 def _cmd_report(args) -> int:
     params = _parse_params(args.param)
+    out = Path(args.out).resolve() if args.out else repo_root() / 'reports' / 'out'
     if args.name != 'all':
         if args.name in list_reports() and (lack := missing_input(args.name, params)):
             raise FileNotFoundError(f"report {args.name} {lack}")
         t = time.perf_counter()
-        try: d = run_report(args.name, args.out, params, progress=not args.quiet)
+        try: d = run_report(args.name, out, params, progress=not args.quiet)
         except Exception as e:
             from tmas_nb.cli import error_message, UserError
             if type(e).__name__ == 'PapermillExecutionError' and (msg := error_message(e)):
-                raise UserError(f"report {args.name}: {msg} (see {Path(args.out).resolve() / args.name / (args.name + '.ipynb')})") from e
+                raise UserError(f"report {args.name}: {msg} (see {out / args.name / (args.name + '.ipynb')})") from e
             raise
         print(f"{args.name}: {time.perf_counter() - t:.1f} s -> {d}")
         return 0
@@ -155,19 +189,100 @@ def _cmd_report(args) -> int:
         if lack := missing_input(n, params):
             print(f"{n}: skipped — {lack}"); skipped.append(n); continue
         t = time.perf_counter()
-        try: d = run_report(n, args.out, params, progress=not args.quiet)
+        try: d = run_report(n, out, params, progress=not args.quiet)
         except Exception as e:
             print(f"{n}: failed — {_one_line(e)}"); failed.append(n); continue
         print(f"{n}: {time.perf_counter() - t:.1f} s -> {d}"); done.append(n)
     print(f"{len(done)} reports written, {len(skipped)} skipped, {len(failed)} failed")
     if failed: raise ValueError(f"{len(failed)} report(s) failed: {', '.join(failed)}; "
-                                f"the executed notebooks under {Path(args.out) / '<name>'} show where")
+                                f"the executed notebooks under {out / '<name>'} show where")
     return 0
 
 def report_cli(p) -> None:
     "The flags of `tmas report`."
     p.add_argument('name', help="report name (a notebook in reports/, e.g. autotts_table) or 'all'")
-    p.add_argument('--out', default='reports/out', help='output folder (default reports/out)')
+    p.add_argument('--out', default=None, help="output folder (default: the repository's reports/out)")
     p.add_argument('-p', '--param', action='append', metavar='KEY=VALUE', help='override a report parameter (repeatable)')
     p.add_argument('--quiet', action='store_true', help='no progress bar')
     p.set_defaults(func=_cmd_report)
+
+# %% ../nbs/90_reporting.ipynb #66113a10
+FIGURE_DPI = 160
+STYLE = {
+    'figure.dpi': 100, 'savefig.dpi': FIGURE_DPI, 'savefig.bbox': 'tight', 'font.size': 10, 'axes.titlesize': 11,
+    'axes.labelsize': 10, 'xtick.labelsize': 9, 'ytick.labelsize': 9, 'legend.fontsize': 8.5, 'figure.titlesize': 12,
+    'axes.grid': True, 'grid.alpha': 0.3, 'axes.spines.top': False, 'axes.spines.right': False, 'legend.framealpha': 0.85,
+    'lines.linewidth': 1.6, 'lines.markersize': 5, 'axes.formatter.useoffset': False, 'axes.formatter.limits': (-4, 6),
+    'axes.prop_cycle': matplotlib.cycler(color=['#0072B2', '#D55E00', '#009E73', '#CC79A7', '#E69F00', '#56B4E9', '#F0E442', '#000000']),
+}
+"The reports' matplotlib settings (Okabe–Ito colours)."
+
+# %% ../nbs/90_reporting.ipynb #faeb8882
+def use_style() -> None:
+    "Apply the reports' figure style to matplotlib for the rest of the session."
+    matplotlib.rcParams.update(STYLE)
+
+# %% ../nbs/90_reporting.ipynb #d4dc5d47
+def figure_style():
+    "The reports' figure style as a context manager (`with figure_style(): ...`)."
+    return matplotlib.rc_context(STYLE)
+
+# %% ../nbs/90_reporting.ipynb #99f60045
+def save_figure(fig, path: str | os.PathLike, dpi: int = FIGURE_DPI) -> Path:
+    "Write `fig` to `path` at `dpi` (at least 150) with tight margins; returns the path."
+    path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=max(150, int(dpi)), bbox_inches='tight')
+    return path
+
+# %% ../nbs/90_reporting.ipynb #d54a6619
+def iteration_ticks(ax, iterations, label: str = 'iteration') -> list[int]:
+    "Label the x axis It0, It1, … for `iterations` (as records and the papers count them); about ten labels, the last always shown."
+    its = sorted({int(i) for i in iterations}) or [0]
+    lo, hi = its[0], its[-1]; step = max(1, math.ceil((hi - lo + 1) / 10))
+    ticks = list(range(lo, hi + 1, step))
+    if ticks[-1] != hi:
+        if len(ticks) > 1 and hi - ticks[-1] < step: ticks[-1] = hi
+        else: ticks.append(hi)
+    ax.set_xticks(ticks); ax.set_xticklabels([f'It{t}' for t in ticks]); ax.set_xlim(lo - 0.4, hi + 0.4); ax.set_xlabel(label)
+    return ticks
+
+# %% ../nbs/90_reporting.ipynb #2efd86cf
+def _finite(v) -> bool:
+    try: return v is not None and math.isfinite(float(v))
+    except (TypeError, ValueError): return False
+
+def interval_label(name: str, value, low=None, high=None, p=None, fmt: str = '.1f', missing: str = 'not enough runs') -> str:
+    "`name = value [low, high], p = …` for a legend; `missing` stands where a number is not finite, never 'nan'."
+    if not _finite(value): return f'{name}: {missing}'
+    s = f'{name} = {float(value):{fmt}}'
+    if low is not None or high is not None:
+        s += f' [{float(low):{fmt}}, {float(high):{fmt}}]' if _finite(low) and _finite(high) else f' (interval: {missing})'
+    if p is not None: s += f', p = {float(p):.3g}' if _finite(p) else f' (p: {missing})'
+    return s
+
+# %% ../nbs/90_reporting.ipynb #c6c47c15
+def runs_curve(ax, frame: pd.DataFrame, x: str, y: str, label: str, **kw):
+    "Mean of `y` over runs at each `x`, a ± 1 s.d. band where two or more runs have the point; the legend says how many runs."
+    g = frame.groupby(x)[y]
+    m, sd, n = g.mean(), g.std(ddof=1), g.count()
+    lo, hi = int(n.min()), int(n.max())   # runs behind each point
+    per = f'{hi} runs' if lo == hi else f'{lo}–{hi} runs per point'
+    text = f'{label} (mean ± s.d. of {per})' if hi >= 2 else f'{label} (1 run: no interval)'
+    line, = ax.plot(m.index, m.values, marker='o', label=text, **kw)
+    band = (n >= 2).to_numpy() & np.isfinite(sd.to_numpy())
+    if band.any():
+        ax.fill_between(m.index[band], (m - sd)[band], (m + sd)[band], color=line.get_color(), alpha=0.18, lw=0)
+    return line
+
+# %% ../nbs/90_reporting.ipynb #3aa34bfc
+def plain_ticks(ax, axis: str = 'x') -> None:
+    "Plain numbers (…, 5, 10, 20, 50, …) at 1, 2 and 5 of each decade on a log axis, no minor labels."
+    a = ax.xaxis if axis == 'x' else ax.yaxis
+    a.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    a.set_major_formatter(ticker.FuncFormatter(lambda v, _: f'{v:,.0f}' if v >= 1 else f'{v:g}'))
+    a.set_minor_formatter(ticker.NullFormatter())
+
+# %% ../nbs/90_reporting.ipynb #bc29a913
+def footnote(fig, text: str) -> None:
+    "A grey note under the figure (below the x labels; `save_figure` keeps it inside the image)."
+    if text: fig.text(0.01, -0.01, text, fontsize=8, color='0.35', ha='left', va='top')
