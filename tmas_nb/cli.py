@@ -49,6 +49,10 @@ COMMANDS = {   # command: (module:function that adds its flags, help, descriptio
     'runs summary': ('tmas_nb.runs:summary_cli', 'pass@1 per iteration, tokens per role and completeness of a run',
                      'Print the summary of a run folder; with --json exactly one JSON object with the keys method, problems, '
                      'iterations, tokens_by_role, tokens_by_endpoint, complete.'),
+    'runs export': ('tmas_nb.viewer:export_cli', 'write a run as one self-contained HTML viewer (candidates, reviews, banks, Pass@1)',
+                    'Write the run viewer (every candidate with its reviews and summary, the banks with what each iteration added, '
+                    'kept and dropped, Pass@1 by iteration) as one HTML file that needs no server or network. Open it at '
+                    '#problem=ID&iteration=K&candidate=C (K counts from 1).'),
     'report': ('tmas_nb.reporting:report_cli', 'regenerate a report notebook (papermill) into an output folder',
                'Run reports/NAME.ipynb (or all of them) with papermill; outputs go to OUT/NAME/.'),
     'rl data': ('tmas_nb.rl:data_cli', 'training rows (Parquet) from finished TMAS runs, or the toy task',
