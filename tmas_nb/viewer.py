@@ -84,10 +84,10 @@ def candidate_view(rec: dict, calls: list[dict] | None, max_chars: int | None = 
 
 # %% ../nbs/92_viewer.ipynb #31993e65
 def merges_of(run_dir, problem_id: str, bank: str, iteration: int) -> list[dict] | None:
-    "What de-duplication merged (and the guideline bank restored) in `bank` at `iteration`; None when the bank file is not there."
+    "What de-duplication merged (and the guideline bank restored) in `bank` at `iteration`, the same merge once with its count; None when the bank file is not there."
     p = bank_path(run_dir, problem_id, bank, iteration)
     if not p.is_file(): return None
-    out = []
+    out: list[dict] = []
     for ev in json.loads(p.read_text(encoding='utf-8')).get('events', []):
         if ev.get('round') != iteration: continue
         merged = ev.get('merged') or {}
@@ -95,7 +95,9 @@ def merges_of(run_dir, problem_id: str, bank: str, iteration: int) -> list[dict]
             out += [{'list': lst, 'text': m['text'], 'into': m['head'], 'reason': m['reason'], 'similarity': _number(m.get('similarity'))} for m in ms]
         out += [{'list': 'strategies', 'text': r.get('text'), 'into': r.get('replaced_by'), 'reason': f"restored ({r.get('reason')})",
                  'similarity': None} for r in ev.get('restored', [])]
-    return out
+    counted: dict = {}
+    for m in out: counted.setdefault(tuple(m.values()), {**m, 'count': 0})['count'] += 1
+    return list(counted.values())
 
 # %% ../nbs/92_viewer.ipynb #d2cf3df5
 def memory_view(events: list[dict], max_chars: int | None = None) -> list[dict]:
@@ -246,12 +248,12 @@ button.it.on { background: var(--accent); border-color: var(--accent); color: #f
 .overview table { border-collapse: collapse; margin-top: 6px; font-size: 12.5px; }
 .overview th, .overview td { border: 1px solid #eaeef2; padding: 2px 8px; text-align: center; }
 .overview th { background: var(--soft); font-weight: 600; } .overview tr.on th { color: var(--accent); }
+.overview td.cell { cursor: pointer; } .overview td.on { outline: 2px solid var(--accent); outline-offset: -2px; }
 '''
 "The style of the page: layout, header, plot, selectors, table."
 
-# %% ../nbs/92_viewer.ipynb #6ee33f0c
+# %% ../nbs/92_viewer.ipynb #1154a799
 _CSS_PARTS = r'''
-.overview td.cell { cursor: pointer; } .overview td.on { outline: 2px solid var(--accent); outline-offset: -2px; }
 .main { display: grid; grid-template-columns: minmax(0, 1.55fr) minmax(0, 1fr); gap: 22px; }
 @media (max-width: 900px) { .main { grid-template-columns: 1fr; } header { flex-direction: column; } }
 details > summary { cursor: pointer; }
@@ -277,7 +279,8 @@ aside { border-left: 1px solid var(--line); padding-left: 18px; }
 li.added, span.added { background: #dafbe1; color: #116329; } li.kept, span.kept { background: var(--soft); }
 li.dropped, span.dropped { background: #ffebe9; color: #82071e; text-decoration: line-through; }
 span.added, span.kept, span.dropped { padding: 0 5px; border-radius: 4px; }
-ul.merges { padding-left: 18px; font-size: 13px; } .merges .why { color: var(--muted); font-size: 12px; }
+ul.merges { padding-left: 18px; font-size: 13px; margin: 2px 0; } .bank ul.merges li { padding: 1px 0; position: static; }
+.merges .why { color: var(--muted); font-size: 12px; } .merges .into { font-style: italic; }
 .event { border-left: 3px solid var(--good); padding: 2px 8px; margin: 6px 0; font-size: 13px; } .event.bad { border-left-color: var(--bad); }
 .answer-list ul { margin: 2px 0; padding-left: 18px; }
 footer { margin-top: 24px; border-top: 1px solid var(--line); color: var(--muted); font-size: 13px; }
@@ -336,7 +339,7 @@ function section(title, ...body) { return el('div', {class: 'section'}, el('h4',
 _JS_STATE = r'''
 const DATA = JSON.parse(document.getElementById('run-data').textContent);
 const S = {problem: 0, iteration: 0, candidate: null, notices: []};
-const itName = k => DATA.step_name + (k + 1);
+const itName = k => DATA.step_name + (DATA.step_name.length > 2 ? ' ' : '') + (k + 1);
 const problem = () => DATA.problems[S.problem];
 const iteration = () => problem().iterations[S.iteration];
 function share(it) { const c = it.candidates; return c.length ? c.filter(x => x.correct).length / c.length : null; }
@@ -372,7 +375,7 @@ function select(changes) { Object.assign(S, changes); S.notices = []; writeSelec
 # %% ../nbs/92_viewer.ipynb #62ebe091
 _JS_PLOT = r'''
 function plot() {
-  const W = 360, H = 180, L = 40, R = 12, T = 42, B = 30, pts = DATA.curve;
+  const W = 380, H = 180, L = 42, R = 30, T = 42, B = 30, pts = DATA.curve;
   const n = Math.max(1, ...pts.map(p => p.iteration + 1), problem() ? problem().iterations.length : 1);
   const x = i => n === 1 ? (L + W - R) / 2 : L + i * (W - L - R) / (n - 1), y = v => T + (1 - v) * (H - T - B);
   const g = svg('svg', {viewBox: `0 0 ${W} ${H}`, width: W, height: H, class: 'plot', role: 'img', 'aria-label': 'Pass@1 by iteration'});
@@ -396,7 +399,7 @@ function plot() {
   }
   const key = (x0, cls, label) => { g.append(svg('line', {x1: x0, x2: x0 + 16, y1: 28, y2: 28, class: cls}));
                                      g.append(svg('text', {x: x0 + 20, y: 32, class: 'tick'}, label)); };
-  key(L, 'all', 'Pass@1, all problems'); key(L + 150, 'mine', 'this problem, correct share');
+  key(L, 'all', 'all problems'); key(L + 120, 'mine', 'this problem (share correct)');
   return g;
 }
 '''
@@ -492,7 +495,7 @@ function bank(name, b) {
   const merges = b.merges === null ? el('div', {class: 'missing'}, 'Its bank file for this iteration is not in the run folder, so merges are unknown.')
     : b.merges.length ? section('What de-duplication merged', el('ul', {class: 'merges'}, b.merges.map(m => el('li', {},
         el('span', {class: 'from'}, m.text), ' → ', el('span', {class: 'into'}, none(m.into) ? '(kept as it was)' : m.into),
-        el('span', {class: 'why'}, ` ${m.list}, ${m.reason}` + (none(m.similarity) ? '' : ` ${fix(m.similarity, 2)}`)))))) : null;
+        el('span', {class: 'why'}, ` ${m.list}, ${m.reason}` + (none(m.similarity) ? '' : ` ${fix(m.similarity, 2)}`) + (m.count > 1 ? ` · ×${m.count}` : '')))))) : null;
   return el('div', {class: 'bank', dataset: {bank: name}}, el('h3', {}, name + ' bank', el('span', {class: 'counts'}, counts)),
             b.items.length || b.dropped.length ? el('ul', {class: 'items'}, b.added.map(t => item(t, 'added', '+')), b.kept.map(t => item(t, 'kept', '=')),
                                                   b.dropped.map(t => item(t, 'dropped', '−'))) : el('div', {class: 'missing'}, 'empty'),
@@ -538,7 +541,7 @@ function render() {
   app.replaceChildren(header(), nav(), overview(), main(), DATA.notes.length ? el('footer', {}, el('h4', {}, 'What this run folder does not record'),
                                                                                    el('ul', {}, DATA.notes.map(n => el('li', {}, n)))) : null);
   const chosen = document.getElementById('candidate-' + S.candidate);
-  if (chosen) chosen.scrollIntoView({block: 'start'});
+  if (chosen && chosen.getBoundingClientRect().top > 0.7 * window.innerHeight) chosen.scrollIntoView({block: 'start'});
 }
 try { readSelection(); render(); document.body.dataset.ready = '1'; } catch (e) { report(e && e.stack ? e.stack : e); }
 '''
