@@ -4,7 +4,8 @@
 
 # %% ../nbs/21_agents.ipynb #f9b73a97
 from __future__ import annotations
-import asyncio, hashlib, json, random
+import asyncio, hashlib, json, random, time
+from contextvars import ContextVar
 from dataclasses import dataclass, field, asdict, replace
 from typing import Any, Mapping, Sequence
 
@@ -20,9 +21,10 @@ from .memory import ExperienceBank, GuidelineBank, RSEBank
 
 # %% auto #0
 __all__ = ['ROLE_SAMPLING_KEYS', 'TMAS_ROLE_SAMPLING', 'DISTILL_MAX_CHARS', 'derive_seed', 'derive_rng', 'SamplingConfig',
-           'AgentContext', 'solve', 'Verification', 'is_fully_verified', 'verify', 'summarize', 'MemoryUpdate',
-           'update_experience', 'update_guidelines', 'apply_distillation', 'rollout_trajectory', 'distill',
-           'rse_rollouts', 'sample', 'self_refine', 'verify_refine', 'pacore', 'MeteredLLM']
+           'tag_request', 'request_tag', 'AgentContext', 'solve', 'Verification', 'is_fully_verified', 'verify',
+           'summarize', 'MemoryUpdate', 'update_experience', 'update_guidelines', 'apply_distillation',
+           'rollout_trajectory', 'distill', 'rse_rollouts', 'sample', 'self_refine', 'verify_refine', 'pacore',
+           'call_rows', 'MeteredLLM']
 
 # %% ../nbs/21_agents.ipynb #17bfe1ef
 def derive_seed(run_seed: int, problem_id: str, iteration: int, candidate: int, role: str) -> int:
@@ -76,6 +78,20 @@ def request(self:SamplingConfig, messages: list[dict], role: str, problem_id: st
     return Request(messages=messages, role=role, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                    max_new_tokens=s.max_new_tokens, n=n, seed=seed, enable_thinking=s.enable_thinking)
 
+# %% ../nbs/21_agents.ipynb #1956f342
+_CALL_TAG: ContextVar = ContextVar('tmas_call_tag', default=None)
+
+def tag_request(request: Request, problem_id: str, iteration: int, candidate: int) -> Request:
+    "Name who asks `request` (problem, iteration, candidate; -1 for none) for the `MeteredLLM` it passes through; returns it."
+    _CALL_TAG.set((request, {'problem_id': str(problem_id), 'iteration': int(iteration), 'candidate': int(candidate)}))
+    return request
+
+# %% ../nbs/21_agents.ipynb #a3b0429c
+def request_tag(request: Request) -> dict | None:
+    "What `tag_request` said about this very `request` in the current task, else None (the last request tagged wins)."
+    tag = _CALL_TAG.get()
+    return dict(tag[1]) if tag is not None and tag[0] is request else None
+
 # %% ../nbs/21_agents.ipynb #ccfba82d
 @dataclass(frozen=True)
 class AgentContext:
@@ -87,8 +103,9 @@ class AgentContext:
     templates: Mapping[str, str] | None = None
 
     def request(self, messages: list[dict], role: str, candidate: int, n: int = 1, seed_role: str | None = None) -> Request:
-        "`SamplingConfig.request` for this problem and iteration: the seed derives from (run seed, problem, iteration, candidate, role)."
-        return self.sampling.request(messages, role, self.problem_id, self.iteration, candidate, n=n, seed_role=seed_role)
+        "`SamplingConfig.request` for this problem and iteration, tagged with who asks: the seed derives from (run seed, problem, iteration, candidate, role)."
+        req = self.sampling.request(messages, role, self.problem_id, self.iteration, candidate, n=n, seed_role=seed_role)
+        return tag_request(req, self.problem_id, self.iteration, candidate)
 
     def rng(self, candidate: int, role: str) -> random.Random:
         "`derive_rng` for this problem and iteration."
@@ -272,9 +289,30 @@ async def pacore(llm: LLM, ctx: AgentContext, references: Sequence[str], candida
     return c
 
 # %% ../nbs/21_agents.ipynb #96c3bc5a
+def call_rows(request: Request, completions: list[Completion], who: dict, start: float, end: float) -> list[dict]:
+    "One row per sample of an answered request: who asked (`who`), role, sample, prompt, reply, tokens, finish reason, cached, times."
+    prompt = json.dumps(request.messages, ensure_ascii=False) if request.prompt is None else \
+        request.prompt if isinstance(request.prompt, str) else json.dumps(request.prompt)
+    rows = []
+    for s, c in enumerate(completions):
+        k = who['candidate'] if who['candidate'] >= 0 or request.role != 'solution' else s   # one request for all candidates
+        wait = max(0.0, end - start - c.latency_s) if c.latency_s > 0 and not c.cached else None
+        rows.append({'problem_id': who['problem_id'], 'iteration': who['iteration'], 'candidate': k, 'role': request.role,
+                     'sample': s, 'prompt': prompt, 'reply': c.raw or c.text, 'prompt_tokens': int(c.prompt_tokens),
+                     'completion_tokens': int(c.completion_tokens), 'finish_reason': c.finish_reason,
+                     'cached': bool(c.cached), 'start': start, 'end': end, 'queue_s': wait})
+    return rows
+
+# %% ../nbs/21_agents.ipynb #4441385a
 class MeteredLLM(LLM):
-    "Passes requests to `llm` and counts them (per role, cached samples included) in its own `usage`."
-    def __init__(self, llm: LLM):
-        super().__init__(llm.model_id); self.llm = llm
+    "Passes requests to `llm`; counts them (per role, cached samples included) in its own `usage` and keeps one row per sample in `calls` (`call_rows`)."
+    def __init__(self, llm: LLM, problem_id: str | None = None, iteration: int | None = None):
+        super().__init__(llm.model_id)
+        self.llm, self.calls, self.who = llm, [], {'problem_id': problem_id, 'iteration': iteration, 'candidate': -1}
     async def _generate(self, requests: list[Request]) -> list[list[Completion]]:
-        return await self.llm.generate(requests)
+        who = [request_tag(r) or self.who for r in requests]   # read before awaiting: the names of this task's requests
+        start = time.time()
+        out = await self.llm.generate(requests)
+        end = time.time()
+        for r, w, cs in zip(requests, who, out): self.calls += call_rows(r, cs, w, start, end)
+        return out

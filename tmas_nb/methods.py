@@ -629,7 +629,7 @@ async def run_problem(method: Method, problem: Problem, llm: LLM, run_dir, bar=N
     if bar is not None: bar.update(min(start, method.n_iterations) if not done else method.n_iterations)
     for it in range(start, method.n_iterations):
         if done: break
-        t0, meter = time.perf_counter(), MeteredLLM(llm)
+        t0, meter = time.perf_counter(), MeteredLLM(llm, problem.id, it)
         res = await method.step(meter, problem, state, banks, it)
         texts = [c['solution'] for c in res.candidates]
         graded = await asyncio.to_thread(_grade, texts, [problem.answer] * len(texts), [c['finish_reason'] for c in res.candidates],
@@ -646,7 +646,7 @@ async def run_problem(method: Method, problem: Problem, llm: LLM, run_dir, bar=N
             'version': 1, 'method': method.name, 'problem_id': problem.id, 'iteration': it, 'done': bool(done),
             'wall_s': wall, 'records': recs, 'state': state, 'bank_files': bank_files,
             'banks': {n: bank_items(n, b) for n, b in banks.items()},
-            'memory': [u.to_dict() for u in res.memory], 'usage': meter.usage.by_role})
+            'memory': [u.to_dict() for u in res.memory], 'usage': meter.usage.by_role, 'calls': meter.calls})
         records += recs
         if bar is not None: bar.update(method.n_iterations - it - 1 if done else 1)
     return records

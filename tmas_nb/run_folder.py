@@ -21,27 +21,29 @@ from .core import LOCK_FILE, atomic_write_bytes, atomic_write_json, lock_holder
 from .methods import RECORD_COLUMNS, MethodConfig, read_checkpoints, records_frame
 
 # %% auto #0
-__all__ = ['RUN_FILES', 'FINISHED_FILES', 'BANK_COLUMNS', 'IDENTITY_KEYS', 'TMAS_VARIANTS', 'record_schema', 'bank_schema',
-           'write_parquet', 'versions', 'RunConfigMismatch', 'run_config', 'check_run_folder', 'prepare_run_dir',
-           'collect_run', 'write_judge_columns', 'finish_run', 'write_status', 'read_status', 'judge_columns',
-           'grading_label', 'carry_forward', 'pass_at_1_by_iteration', 'tmas_variant', 'run_label', 'best_candidates',
-           'Run', 'endpoint_of', 'tokens_by_endpoint', 'banks_frame', 'load_run']
+__all__ = ['RUN_FILES', 'FINISHED_FILES', 'BANK_COLUMNS', 'IDENTITY_KEYS', 'CALL_COLUMNS', 'TMAS_VARIANTS', 'record_schema',
+           'bank_schema', 'write_parquet', 'versions', 'call_schema', 'RunConfigMismatch', 'run_config',
+           'check_run_folder', 'prepare_run_dir', 'collect_run', 'collect_calls', 'calls_frame', 'write_judge_columns',
+           'finish_run', 'write_status', 'read_status', 'judge_columns', 'grading_label', 'carry_forward',
+           'pass_at_1_by_iteration', 'tmas_variant', 'run_label', 'best_candidates', 'Run', 'endpoint_of',
+           'tokens_by_endpoint', 'banks_frame', 'load_run']
 
 # %% ../nbs/24a_run_folder.ipynb #e90ea9e1
-RUN_FILES = ('config.json', 'calls.sqlite', 'checkpoints', 'banks', 'records.parquet', 'banks.parquet',
+RUN_FILES = ('config.json', 'calls.sqlite', 'checkpoints', 'banks', 'records.parquet', 'banks.parquet', 'calls.parquet',
              'usage.json', 'status.json', LOCK_FILE)
 FINISHED_FILES = ('records.parquet', 'banks.parquet', 'usage.json')
-"What `finish_run` writes from the checkpoints when a run ends."
+"What `finish_run` writes from the checkpoints when a run ends and a finished run must have (it also writes `calls.parquet`, which folders of older versions lack)."
 BANK_COLUMNS = ('problem_id', 'iteration', 'bank', 'items', 'n_items')
 "The columns of `banks.parquet`: one snapshot of one memory bank of one problem after one iteration."
 IDENTITY_KEYS = ('method', 'config', 'benchmark', 'problem_ids', 'model', 'backend', 'quantize')
 "The parts of `config.json` that must match for a rerun on the same folder to resume it."
 
+_ARROW_TYPES = {'str': pa.string(), 'str?': pa.string(), 'int': pa.int64(), 'bool': pa.bool_(), 'float': pa.float64(),
+                'float?': pa.float64(), 'list<float>': pa.list_(pa.float64())}
+
 def record_schema():
     "The pyarrow schema of `records.parquet`."
-    types = {'str': pa.string(), 'str?': pa.string(), 'int': pa.int64(), 'bool': pa.bool_(), 'float': pa.float64(),
-             'float?': pa.float64(), 'list<float>': pa.list_(pa.float64())}
-    return pa.schema([pa.field(n, types[t], nullable=t.endswith('?') or t == 'str') for n, t in RECORD_COLUMNS.items()])
+    return pa.schema([pa.field(n, _ARROW_TYPES[t], nullable=t.endswith('?') or t == 'str') for n, t in RECORD_COLUMNS.items()])
 
 def bank_schema():
     "The pyarrow schema of `banks.parquet`."
@@ -63,6 +65,17 @@ def versions() -> dict:
     if out['tmas_nb'] is None:
         out['tmas_nb'] = getattr(tmas_nb, '__version__', None)
     return out
+
+# %% ../nbs/24a_run_folder.ipynb #1d554bb8
+CALL_COLUMNS: dict[str, str] = {
+    'run': 'str', 'problem_id': 'str', 'iteration': 'int', 'candidate': 'int', 'role': 'str', 'sample': 'int',
+    'prompt': 'str', 'reply': 'str', 'prompt_tokens': 'int', 'completion_tokens': 'int', 'finish_reason': 'str',
+    'cached': 'bool', 'start': 'float', 'end': 'float', 'queue_s': 'float?'}
+"The columns of `calls.parquet` (column name -> type, '?' for one that may be null): one row per sample of every model call."
+
+def call_schema():
+    "The pyarrow schema of `calls.parquet`."
+    return pa.schema([pa.field(n, _ARROW_TYPES[t], nullable=t.endswith('?') or t == 'str') for n, t in CALL_COLUMNS.items()])
 
 # %% ../nbs/24a_run_folder.ipynb #0b89eb3d
 class RunConfigMismatch(ValueError):
@@ -137,6 +150,27 @@ def collect_run(run_dir, problem_ids: Sequence[str] | None = None) -> tuple[list
             events += [{'problem_id': pid, 'iteration': cp['iteration'], **u} for u in cp['memory']]
     return records, banks, _sum_usage(usage), events
 
+# %% ../nbs/24a_run_folder.ipynb #aa783abb
+def collect_calls(run_dir, problem_ids: Sequence[str] | None = None, checkpoints: dict | None = None) -> list[dict]:
+    "Every call row in a run's checkpoints (`read_checkpoints`, unless given), in problem order, each with the run's folder name."
+    cps = read_checkpoints(run_dir) if checkpoints is None else checkpoints
+    order = list(problem_ids) if problem_ids is not None else []
+    order += [p for p in cps if p not in order]
+    name = Path(run_dir).resolve().name
+    return [{'run': name, **c} for pid in order for cp in cps.get(pid, []) for c in cp.get('calls', [])]
+
+# %% ../nbs/24a_run_folder.ipynb #03ebea81
+def calls_frame(rows):
+    "Call rows (dicts or a DataFrame) as a DataFrame with exactly `CALL_COLUMNS`, in order and with fixed types."
+    df = rows.copy() if isinstance(rows, pd.DataFrame) else pd.DataFrame(list(rows), columns=list(CALL_COLUMNS))
+    df = df.reindex(columns=list(CALL_COLUMNS))
+    for col, kind in CALL_COLUMNS.items():
+        if kind == 'int': df[col] = df[col].astype('int64')
+        elif kind == 'bool': df[col] = df[col].astype(bool)
+        elif kind in ('float', 'float?'): df[col] = pd.to_numeric(df[col], errors='coerce').astype('float64')
+        else: df[col] = df[col].astype(object).where(df[col].notna(), None)
+    return df
+
 # %% ../nbs/24a_run_folder.ipynb #fc78662d
 def write_judge_columns(run_dir, verdicts: Sequence[Sequence[bool]]) -> Path:
     "Replace the `correct_judge<k>` columns of `records.parquet` with `verdicts` (one list per judge run)."
@@ -166,10 +200,11 @@ def _carried_verdicts(path: Path, records: list[dict]) -> list[list[bool]]:
     return [old[c].tolist() for c in cols]
 
 def finish_run(run_dir, cache_stats: dict | None = None) -> Path:
-    "Write `records.parquet`, `banks.parquet` and `usage.json` from the checkpoints of `run_dir`."
+    "Write `records.parquet`, `banks.parquet`, `calls.parquet` and `usage.json` from the checkpoints of `run_dir`."
     run_dir = Path(run_dir)
     cfg = json.loads((run_dir / 'config.json').read_text(encoding='utf-8'))
     records, banks, usage, events = collect_run(run_dir, cfg.get('problem_ids'))
+    write_parquet(run_dir / 'calls.parquet', collect_calls(run_dir, cfg.get('problem_ids')), call_schema())
     verdicts = _carried_verdicts(run_dir / 'records.parquet', records)
     write_parquet(run_dir / 'records.parquet', records, record_schema())
     if verdicts:
@@ -376,3 +411,17 @@ def load_run(run_dir) -> Run:
                    running=running)
     raise FileNotFoundError(f"{run_dir}: missing {', '.join(missing)}; the run has not finished. Rerun the same "
                             f"`tmas run ... --out {run_dir}` command to finish it (it resumes), or leave this folder out.")
+
+# %% ../nbs/24a_run_folder.ipynb #35bcf62e
+@patch
+def calls(self:Run):
+    "Every model call of the run, one row per sample (`CALL_COLUMNS`): from `calls.parquet` when finished, else from the checkpoints."
+    path, cps = self.run_dir / 'calls.parquet', self.run_dir / 'checkpoints'
+    if path.exists() and (self.complete or not cps.is_dir()):
+        return calls_frame(_checked(pd.read_parquet(path), CALL_COLUMNS, path))
+    df = calls_frame(collect_calls(self.run_dir, self.config.get('problem_ids')) if cps.is_dir() else [])
+    if len(df) == 0 and len(self.records):
+        df.attrs['note'] = (f"{self.run_dir}: no calls recorded (a run folder of an older version, or a method that does not "
+                            f"call the model through its agents); its prompts and replies are only in calls.sqlite")
+        print(df.attrs['note'], file=sys.stderr)
+    return df
