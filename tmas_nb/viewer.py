@@ -123,10 +123,9 @@ class RunParts:
 
 # %% ../nbs/92_viewer.ipynb #c697391a
 def calls_table(run: Run):
-    "The run's calls table (`Run.calls()`), or None when its folder records none."
-    if not hasattr(run, 'calls'): return None
+    "The run's calls table (`Run.calls()`), or None when its folder records none (an older version's run)."
     df = run.calls()
-    return df if len(df) or (run.run_dir / 'calls.parquet').exists() else None
+    return None if len(df) == 0 and len(run.records) else df
 
 def run_parts(run: Run, max_chars: int | None = None) -> RunParts:
     "Gather the calls, memory events and RSE prompt-item counts of `run`."
