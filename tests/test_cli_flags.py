@@ -81,6 +81,11 @@ FLAGS = {
     '--iterations': ('T', {'rl teacher', 'run'}),
     '--epsilon': ('exploration probability', {'run'}), '--concurrency': ('problems run at the same time', {'run'}),
     '--answer-from-truncated': ("grade a cut-off output's last box", {'grade', 'run'}),
+    # reading a run
+    '--problem': ('one problem of a run, by its id', {'runs show'}),
+    '--iteration': ('one iteration of a run (0 is the first, as in records.parquet)', {'runs show'}),
+    '--role': ('one agent role (solution, verification, summary, experience, guideline, distillation, refine)', {'runs show'}),
+    '--full': ('texts in full, not shortened', {'runs show'}),
     # replay
     '--controller': ('a controller spec (run: or a controller file, or discovery:DIR)', {'replay eval', 'run'}), '--controllers': ('controller specs', {'replay grid'}),
     '--controller-file': ('a controller file', {'replay eval', 'replay grid'}),

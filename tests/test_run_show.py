@@ -110,3 +110,87 @@ def test_a_run_folder_of_an_older_version_loads_with_an_empty_calls_table(tmas_r
     calls = run.calls()
     assert list(calls.columns) == list(CALL_COLUMNS) and len(calls) == 0
     assert 'older version' in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ tmas runs show
+
+def show(capsys, *args):
+    from tmas_nb.cli import main
+    code = main(['runs', 'show', *map(str, args)])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_runs_show_prints_the_table_and_a_problem_tree_with_the_reviews_taken_from_calls(tmas_run, capsys):
+    calls = tmas_run.calls()
+    code, table, _ = show(capsys, tmas_run.run_dir)
+    assert code == 0
+    rec = tmas_run.records
+    cells = [f'{int(g.correct.sum())}/{len(g)}' for _, g in rec.groupby('iteration')]
+    row = next(l for l in table.splitlines() if l.startswith(PROBLEM[0].id))
+    assert row.split()[2:4] == cells and 'Pass@1' in table
+    code, tree, _ = show(capsys, tmas_run.run_dir, '--problem', PROBLEM[0].id)
+    assert code == 0
+    reviews = calls[calls.role == 'verification']
+    assert tree.count('review 1 · ') == len(reviews) == 2 * N
+    for text in reviews.reply:                      # every review's words, as the model wrote them (first line)
+        first = text.strip('\n').splitlines()[0] if text.strip() else '(empty)'
+        assert first[:150] in tree
+    for it in (0, 1):
+        assert f'iteration {it} · ' in tree
+        assert f'experience bank after iteration {it} · ' in tree and f'guideline bank after iteration {it} · ' in tree
+    only = show(capsys, tmas_run.run_dir, '--problem', PROBLEM[0].id, '--iteration', 1, '--role', 'verification')[1]
+    assert 'iteration 0 · ' not in only and only.count('review 1 · ') == N and 'summary · ' not in only
+
+
+def test_runs_show_of_an_interrupted_run_and_its_errors(tmas_run, tmp_path, capsys):
+    half = interrupted_copy(tmas_run, tmp_path / 'half')
+    code, out, _ = show(capsys, half, '--problem', PROBLEM[0].id)
+    assert code == 0 and 'not complete' in out and 'iteration 1 · ' not in out and out.count('review 1 · ') == N
+    code, _, err = show(capsys, half, '--problem', 'nope')
+    assert code == 2 and f"no problem 'nope' in this run; its problems: {PROBLEM[0].id}" in err
+    code, _, err = show(capsys, half, '--problem', PROBLEM[0].id, '--iteration', 5)
+    assert code == 2 and 'has iterations 0 to 0' in err
+
+
+def scripted_tmas(tmp_path):
+    "A scripted TMAS run whose experience agent answers a new anchor each time (kept, added and dropped items)."
+    from helpers import REPLIES, ScriptedLLM
+    def experience(request, k):
+        return json.dumps({'verified_anchors': [f'anchor {k}', '6 times 7 is 42'], 'error_avoidance_heuristics': []})
+    long_review = '\n'.join(f'step {i} holds' for i in range(1, 21)) + '\nScore: \\boxed{1}'
+    llm = ScriptedLLM({**REPLIES, 'experience': experience, 'verification': long_review})
+    cfg = TMASConfig(n_candidates=2, n_verifications=2, iterations=3, embedder='hashing', max_new_tokens=32)
+    return asyncio.run(start_run('tmas', PROBLEM, cfg, tmp_path / 'scripted', model='scripted', llm=llm, benchmark='demo',
+                                 progress=False))
+
+
+def test_runs_show_gives_each_bank_what_was_added_kept_and_dropped_and_full_texts(tmp_path, capsys):
+    run = scripted_tmas(tmp_path)
+    code, tree, _ = show(capsys, run.run_dir, '--problem', PROBLEM[0].id)
+    assert code == 0
+    it1 = tree[tree.index('iteration 1 · '):tree.index('iteration 2 · ')]
+    assert 'experience bank after iteration 1 · 2 item(s) · +1 added · 1 kept · −1 dropped' in it1
+    assert '+ Anchor: anchor 1' in it1 and '− Anchor: anchor 0' in it1
+    assert 'guideline bank after iteration 1 · 1 item(s) · +0 added · 1 kept · −0 dropped' in it1
+    assert 'experience agent · ok · 1 attempt(s)' in it1
+    assert '… 15 more lines' in tree and 'step 10 holds' not in tree          # shortened: 4 first, 2 last lines
+    full = show(capsys, run.run_dir, '--problem', PROBLEM[0].id, '--iteration', 2, '--full')[1]
+    assert 'step 10 holds' in full and '= Anchor: 6 times 7 is 42' in full and '… 15 more lines' not in full
+
+
+def test_runs_show_of_an_rse_run_gives_each_trajectory_its_distilled_items_and_the_merges(tmp_path, capsys):
+    from helpers import REPLIES, ScriptedLLM
+    from tmas_nb.methods import RSEConfig
+    cfg = RSEConfig(n_candidates=2, iterations=2, embedder='hashing', max_new_tokens=32)
+    run = asyncio.run(start_run('rse', PROBLEM, cfg, tmp_path / 'rse', model='scripted', llm=ScriptedLLM(REPLIES),
+                                benchmark='demo', progress=False))
+    code, tree, _ = show(capsys, run.run_dir, '--problem', PROBLEM[0].id)
+    assert code == 0
+    r0 = tree[tree.index('iteration 0 · '):tree.index('iteration 1 · ')]
+    t0, t1 = r0[r0.index('trajectory 0 · '):r0.index('trajectory 1 · ')], r0[r0.index('trajectory 1 · '):]
+    assert 'distilled · 1 proposition(s), 1 pitfall(s) · 2 added to the bank' in t0
+    assert '+ proposition: 6 times 7 is 42' in t0 and '+ pitfall: adding instead of multiplying' in t0
+    assert "~ proposition: 6 times 7 is 42 merged into '6 times 7 is 42' (exact)" in t1
+    assert 'rse bank after iteration 0 · 2 item(s) · +2 added' in r0
+    assert 'the prompt carried 1 propositions, 1 pitfalls' in tree[tree.index('iteration 1 · '):]

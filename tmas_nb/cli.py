@@ -49,6 +49,11 @@ COMMANDS = {   # command: (module:function that adds its flags, help, descriptio
     'runs summary': ('tmas_nb.runs:summary_cli', 'pass@1 per iteration, tokens per role and completeness of a run',
                      'Print the summary of a run folder; with --json exactly one JSON object with the keys method, problems, '
                      'iterations, tokens_by_role, tokens_by_endpoint, complete.'),
+    'runs show': ('tmas_nb.run_show:show_cli', "what every agent said: problems × iterations, or one problem's iterations as a tree",
+                  'Without --problem: a table of problems × iterations (correct / candidates, answers, Pass@1). With --problem: '
+                  'that problem\'s iterations as a tree: each candidate (branch, finish reason, answer, verdict), the texts of '
+                  'its calls (solution, reviews with their scores, summary), the memory agents and what each bank added, kept '
+                  'and dropped (RSE: what each trajectory distilled and what was merged). Texts are shortened unless --full.'),
     'runs export': ('tmas_nb.viewer:export_cli', 'write a run as one self-contained HTML viewer (candidates, reviews, banks, Pass@1)',
                     'Write the run viewer (every candidate with its reviews and summary, the banks with what each iteration added, '
                     'kept and dropped, Pass@1 by iteration) as one HTML file that needs no server or network. Open it at '
