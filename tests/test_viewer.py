@@ -16,8 +16,10 @@ import pytest
 from tmas_nb.cli import main
 from tmas_nb.data import demo_problems
 from tmas_nb.methods import TMASConfig
-from tmas_nb.run_folder import load_run, record_schema, write_parquet
+from tmas_nb.run_folder import load_run
 from tmas_nb.runs import start_run
+
+from test_methods import TINY_TEMPLATES
 
 OPT_OUT = 'TMAS_NO_BROWSER'
 HOSTILE = '</script><script>alert(1)</script><img src=x onerror=alert(2)>'
@@ -43,9 +45,9 @@ def browse(page, fragment: str) -> tuple[str, list[str]]:
 
 @pytest.fixture(scope='module')
 def real_run(tmp_path_factory):
-    "TMAS with the packaged model on one demo problem: N=2 candidates, M=1 review each, 2 iterations, short answers."
-    cfg = TMASConfig(n_candidates=2, n_verifications=1, iterations=2, epsilon=0.5, max_new_tokens=16, embedder='hashing',
-                     memory_retries=0, seed=0)
+    "TMAS with the packaged model on one demo problem: N=2 candidates, M=1 review each, 2 iterations, short prompts and answers."
+    cfg = TMASConfig(n_candidates=2, n_verifications=1, iterations=2, epsilon=0.5, max_new_tokens=12, embedder='hashing',
+                     memory_retries=0, seed=0, templates=TINY_TEMPLATES)
     run_dir = tmp_path_factory.mktemp('viewer') / 'run'
     asyncio.run(start_run('tmas', demo_problems()[:1], cfg, run_dir, model='default', progress=False, benchmark='demo',
                           num_threads=2))
@@ -70,7 +72,7 @@ def test_the_browser_shows_the_selected_candidates_review_and_no_model_text_runs
     shutil.copytree(real_run.run_dir, evil)
     rec = pd.read_parquet(evil / 'records.parquet')
     rec.loc[rec.candidate == 0, 'solution'] = HOSTILE
-    write_parquet(evil / 'records.parquet', rec.to_dict('records'), record_schema())
+    rec.to_parquet(evil / 'records.parquet', index=False)
     c = pd.read_parquet(evil / 'calls.parquet')
     c.loc[(c.candidate == 0) & (c.role == 'solution'), 'reply'] = HOSTILE
     c.to_parquet(evil / 'calls.parquet', index=False)

@@ -16,20 +16,14 @@ from .core import atomic_write_text, json_ready
 from .data import load_benchmark
 from .methods import bank_path, read_checkpoints
 from .run_folder import Run, load_run, pass_at_1_by_iteration
+from .run_show import bank_diff
 
 # %% auto #0
-__all__ = ['SETTING_NAMES', 'VIEWER_JS_PARTS', 'bank_diff', 'call_view', 'call_groups', 'candidate_view', 'merges_of',
-           'memory_view', 'RunParts', 'calls_table', 'run_parts', 'iteration_view', 'questions_of', 'problem_view',
-           'run_facts', 'run_notes', 'run_view', 'embed_json', 'viewer_html', 'show_run', 'write_html', 'export_cli']
+__all__ = ['SETTING_NAMES', 'VIEWER_JS_PARTS', 'call_view', 'call_groups', 'candidate_view', 'merges_of', 'memory_view',
+           'RunParts', 'calls_table', 'run_parts', 'iteration_view', 'questions_of', 'problem_view', 'run_facts',
+           'run_notes', 'run_view', 'embed_json', 'viewer_html', 'show_run', 'write_html', 'export_cli']
 
-# %% ../nbs/92_viewer.ipynb #8cb8ced1
-def bank_diff(before, after) -> dict:
-    "Items of `after` not in `before` (added), in both (kept), and of `before` not in `after` (dropped), each in bank order."
-    b, a = list(before or []), list(after or [])
-    sb, sa = set(b), set(a)
-    return {'added': [x for x in a if x not in sb], 'kept': [x for x in a if x in sb], 'dropped': [x for x in b if x not in sa]}
-
-# %% ../nbs/92_viewer.ipynb #702be0f0
+# %% ../nbs/92_viewer.ipynb #b0b04960
 def _cut(text, max_chars: int | None):
     "`text` as a string, at most `max_chars` characters (None: all of it), saying how much was left out."
     if text is None: return None
@@ -45,7 +39,7 @@ def _messages(prompt, max_chars: int | None) -> list[dict]:
     return [{'role': str(m.get('role', '?')) if isinstance(m, dict) else '?',
              'content': _cut(m.get('content') if isinstance(m, dict) else m, max_chars)} for m in msgs]
 
-# %% ../nbs/92_viewer.ipynb #19607bf6
+# %% ../nbs/92_viewer.ipynb #303b93b8
 def _number(x, digits: int = 3):
     "A finite float rounded, else None (NaN, None and missing values)."
     try: x = float(x)
@@ -70,7 +64,7 @@ def call_groups(calls, max_chars: int | None = None) -> dict | None:
         out.setdefault((str(r['problem_id']), int(r['iteration']), int(r['candidate'])), []).append(call_view(r, max_chars))
     return out
 
-# %% ../nbs/92_viewer.ipynb #1b36197f
+# %% ../nbs/92_viewer.ipynb #c0fb10cf
 def candidate_view(rec: dict, calls: list[dict] | None, max_chars: int | None = None) -> dict:
     "One candidate for the viewer: its record's fields, its review texts (the replies of its verification calls; None when not recorded) and its calls."
     calls = None if calls is None else list(calls)
@@ -82,7 +76,7 @@ def candidate_view(rec: dict, calls: list[dict] | None, max_chars: int | None = 
             'reviews': None if calls is None else [c['reply'] for c in calls if c['role'] == 'verification'],
             'calls': calls or []}
 
-# %% ../nbs/92_viewer.ipynb #31993e65
+# %% ../nbs/92_viewer.ipynb #2c57a73d
 def merges_of(run_dir, problem_id: str, bank: str, iteration: int) -> list[dict] | None:
     "What de-duplication merged (and the guideline bank restored) in `bank` at `iteration`, the same merge once with its count; None when the bank file is not there."
     p = bank_path(run_dir, problem_id, bank, iteration)
@@ -99,7 +93,7 @@ def merges_of(run_dir, problem_id: str, bank: str, iteration: int) -> list[dict]
     for m in out: counted.setdefault(tuple(m.values()), {**m, 'count': 0})['count'] += 1
     return list(counted.values())
 
-# %% ../nbs/92_viewer.ipynb #d2cf3df5
+# %% ../nbs/92_viewer.ipynb #dc55f7e0
 def memory_view(events: list[dict], max_chars: int | None = None) -> list[dict]:
     "The memory-agent events of one iteration for the viewer; a distillation event carries the candidate whose trajectory it read."
     out, k = [], 0
@@ -111,7 +105,7 @@ def memory_view(events: list[dict], max_chars: int | None = None) -> list[dict]:
         out.append(d)
     return out
 
-# %% ../nbs/92_viewer.ipynb #20b970b6
+# %% ../nbs/92_viewer.ipynb #c03f54a2
 @dataclass
 class RunParts:
     "What the viewer reads from a run, gathered once: calls by (problem, iteration, candidate) (None: not recorded), memory events and RSE prompt-item counts by (problem, iteration)."
@@ -121,7 +115,7 @@ class RunParts:
     prompt_items: dict = field(default_factory=dict)
     max_chars: int | None = None
 
-# %% ../nbs/92_viewer.ipynb #c697391a
+# %% ../nbs/92_viewer.ipynb #efd3caad
 def calls_table(run: Run):
     "The run's calls table (`Run.calls()`), or None when its folder records none (an older version's run)."
     df = run.calls()
@@ -136,7 +130,7 @@ def run_parts(run: Run, max_chars: int | None = None) -> RunParts:
         items = {(pid, cp['iteration']): (cp.get('state') or {}).get('prompt_items') for pid, cps in read_checkpoints(run.run_dir).items() for cp in cps}
     return RunParts(run, call_groups(calls_table(run), max_chars), events, items, max_chars)
 
-# %% ../nbs/92_viewer.ipynb #d338a098
+# %% ../nbs/92_viewer.ipynb #790f62c2
 def _bank_items(banks, problem_id: str) -> dict:
     "{bank: {iteration: items}} of one problem from the bank snapshots."
     out: dict = {}
@@ -157,7 +151,7 @@ def iteration_view(parts: RunParts, problem_id: str, iteration: int, banks: dict
             'calls': [] if calls is None else calls.get((problem_id, iteration, -1), []),
             'prompt_items': parts.prompt_items.get((problem_id, iteration))}
 
-# %% ../nbs/92_viewer.ipynb #b1b903d9
+# %% ../nbs/92_viewer.ipynb #600662bd
 def questions_of(config: dict) -> tuple[dict, list[str]]:
     "({problem id: statement}, notes) from the run's benchmark; no statements, and a note saying why, when it cannot be read here."
     name = config.get('benchmark')
@@ -174,7 +168,7 @@ def problem_view(parts: RunParts, problem_id: str, question: str | None) -> dict
     return {'id': problem_id, 'question': _cut(question, parts.max_chars), 'gold': str(mine['gold'].iloc[0]), 'category': mine['category'].iloc[0],
             'iterations': [iteration_view(parts, problem_id, int(it), banks) for it in sorted(mine['iteration'].unique())]}
 
-# %% ../nbs/92_viewer.ipynb #4c2ff208
+# %% ../nbs/92_viewer.ipynb #ba2a3e4d
 SETTING_NAMES = {'n_candidates': 'N', 'n_verifications': 'M', 'iterations': 'T', 'epsilon': 'ε', 'mode': 'mode',
                  'dedup_threshold': 'τ', 'max_new_tokens': 'tokens', 'temperature': 'temperature', 'embedder': 'embedder'}
 "The settings shown in the viewer's header, by their papers' names (RSE: K candidates per round, R rounds)."
@@ -189,7 +183,7 @@ def run_facts(run: Run) -> dict:
             'settings': ' · '.join(shown), 'problems': run.n_problems, 'complete': run.complete,
             'wall_s': _number(run.status.get('wall_s'), 1), 'started': run.config.get('started')}
 
-# %% ../nbs/92_viewer.ipynb #aedc2af6
+# %% ../nbs/92_viewer.ipynb #2741877d
 def run_notes(run: Run, parts: RunParts) -> list[str]:
     "What the run folder does not record (or records elsewhere), in sentences for the viewer's end."
     notes = []
@@ -204,7 +198,7 @@ def run_notes(run: Run, parts: RunParts) -> list[str]:
         notes.append("Pass@1 in the plot is the LLM judge's (mean over its runs); each candidate's mark is the rule-based grader's.")
     return notes
 
-# %% ../nbs/92_viewer.ipynb #eb86131f
+# %% ../nbs/92_viewer.ipynb #b7ae971f
 def run_view(run: Run, select: dict | None = None, max_chars: int | None = None) -> dict:
     "Everything the viewer shows of `run` as one JSON-ready dict; `select` = {problem, iteration (from 1), candidate} to open first."
     parts = run_parts(run, max_chars)
@@ -216,7 +210,7 @@ def run_view(run: Run, select: dict | None = None, max_chars: int | None = None)
                        'problems': [problem_view(parts, pid, questions.get(pid)) for pid in pids],
                        'has_calls': parts.calls is not None, 'notes': run_notes(run, parts) + notes, 'select': select or {}})
 
-# %% ../nbs/92_viewer.ipynb #bedaf6e3
+# %% ../nbs/92_viewer.ipynb #10e64ed7
 _CSS_PAGE = r'''
 :root { --fg: #1f2328; --muted: #656d76; --line: #d0d7de; --soft: #f6f8fa; --good: #1a7f37; --bad: #cf222e; --warn: #9a6700;
         --accent: #0969da; --explore: #8250df; font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; color: var(--fg); }
@@ -251,7 +245,7 @@ button.it.on { background: var(--accent); border-color: var(--accent); color: #f
 '''
 "The style of the page: layout, header, plot, selectors, table."
 
-# %% ../nbs/92_viewer.ipynb #1154a799
+# %% ../nbs/92_viewer.ipynb #91ce2997
 _CSS_PARTS = r'''
 .main { display: grid; grid-template-columns: minmax(0, 1.55fr) minmax(0, 1fr); gap: 22px; }
 @media (max-width: 900px) { .main { grid-template-columns: 1fr; } header { flex-direction: column; } }
@@ -286,7 +280,7 @@ footer { margin-top: 24px; border-top: 1px solid var(--line); color: var(--muted
 '''
 "The style of the candidates, reviews, banks and memory events."
 
-# %% ../nbs/92_viewer.ipynb #1417153c
+# %% ../nbs/92_viewer.ipynb #a3f9f819
 _JS_BASE = r'''
 'use strict';
 const ERRORS = [];
@@ -334,7 +328,7 @@ function section(title, ...body) { return el('div', {class: 'section'}, el('h4',
 '''
 "Helpers: error capture into `#errors`, `el`/`svg` that build elements from text, number formats."
 
-# %% ../nbs/92_viewer.ipynb #9b9d6043
+# %% ../nbs/92_viewer.ipynb #a53099ca
 _JS_STATE = r'''
 const DATA = JSON.parse(document.getElementById('run-data').textContent);
 const S = {problem: 0, iteration: 0, candidate: null, notices: []};
@@ -371,7 +365,7 @@ function select(changes) { Object.assign(S, changes); S.notices = []; writeSelec
 '''
 "The data, the selection (problem, iteration, candidate) and the URL fragment `#problem=ID&iteration=K&candidate=C` (K from 1)."
 
-# %% ../nbs/92_viewer.ipynb #62ebe091
+# %% ../nbs/92_viewer.ipynb #45272aa8
 _JS_PLOT = r'''
 function plot() {
   const W = 380, H = 180, L = 42, R = 30, T = 42, B = 30, pts = DATA.curve;
@@ -404,7 +398,7 @@ function plot() {
 '''
 "The Pass@1-by-iteration plot as inline SVG: all problems (solid), the selected problem (dashed), the selected iteration."
 
-# %% ../nbs/92_viewer.ipynb #9adaab9b
+# %% ../nbs/92_viewer.ipynb #2a87d0ce
 _JS_NAV = r'''
 function header() {
   const r = DATA.run;
@@ -448,7 +442,7 @@ function overview() {
 '''
 "The header (run facts and the plot), the problem and iteration selectors and the problems × iterations table."
 
-# %% ../nbs/92_viewer.ipynb #7f6497e0
+# %% ../nbs/92_viewer.ipynb #41b4715b
 _JS_CANDIDATE = r'''
 function calls(list, title) {
   if (!list || !list.length) return null;
@@ -486,7 +480,7 @@ function card(c) {
 '''
 "A candidate as an expandable card: branch, finish reason, answer, correct, solution, reviews with their scores, summary, all calls."
 
-# %% ../nbs/92_viewer.ipynb #86563c63
+# %% ../nbs/92_viewer.ipynb #2d372824
 _JS_MEMORY = r'''
 function bank(name, b) {
   const item = (t, cls, mark) => el('li', {class: cls}, el('span', {class: 'mark'}, mark), t);
@@ -521,7 +515,7 @@ function side(it) {
 '''
 "The banks after an iteration with their differences and merges, the memory agents' events and the calls of no single candidate."
 
-# %% ../nbs/92_viewer.ipynb #84d2d82a
+# %% ../nbs/92_viewer.ipynb #5887af1c
 _JS_MAIN = r'''
 function main() {
   const p = problem(), it = iteration();
@@ -546,14 +540,14 @@ try { readSelection(); render(); document.body.dataset.ready = '1'; } catch (e) 
 '''
 "The iteration view (candidates left, memory right), the notes, and the start."
 
-# %% ../nbs/92_viewer.ipynb #a61f232d
+# %% ../nbs/92_viewer.ipynb #af233dd0
 def embed_json(obj) -> str:
     "`obj` as JSON in which no '<', '>', '&', U+2028 or U+2029 appears literally (safe inside a <script> element)."
     s = json.dumps(json_ready(obj), ensure_ascii=False, allow_nan=False, default=str)
     for ch in '<>&\u2028\u2029': s = s.replace(ch, f'\\u{ord(ch):04x}')
     return s
 
-# %% ../nbs/92_viewer.ipynb #dd7c68b5
+# %% ../nbs/92_viewer.ipynb #f94c720d
 VIEWER_JS_PARTS = ('_JS_BASE', '_JS_STATE', '_JS_PLOT', '_JS_NAV', '_JS_CANDIDATE', '_JS_MEMORY', '_JS_MAIN')
 "The parts of the viewer's script, in the order the document inlines them."
 
@@ -571,7 +565,7 @@ def viewer_html(run, select: dict | None = None, max_chars: int | None = None) -
             f'<script type="application/json" id="run-data">{embed_json(data)}</script>\n'
             f'<script nonce="{nonce}">\n{script}\n</script>\n</body></html>\n')
 
-# %% ../nbs/92_viewer.ipynb #44d7abcb
+# %% ../nbs/92_viewer.ipynb #546445a6
 def show_run(run_dir, problem: str | None = None, iteration: int | None = None, candidate: int | None = None, height: int = 820) -> HTML:
     "The interactive viewer of a run folder in a notebook, opened at `problem`, `iteration` (from 1, as the papers count) and `candidate`."
     select = {k: v for k, v in dict(problem=problem, iteration=iteration, candidate=candidate).items() if v is not None}
@@ -579,7 +573,7 @@ def show_run(run_dir, problem: str | None = None, iteration: int | None = None, 
     return HTML(f'<div class="tmas-viewer"><iframe sandbox="allow-scripts" title="run viewer" srcdoc="{html.escape(doc, quote=True)}" '
                 f'style="width:100%;height:{int(height)}px;border:1px solid #d0d7de;border-radius:6px"></iframe></div>')
 
-# %% ../nbs/92_viewer.ipynb #94218412
+# %% ../nbs/92_viewer.ipynb #b0d590aa
 def write_html(run_dir, out, select: dict | None = None) -> Path:
     "Write the viewer of `run_dir` to the HTML file `out` (one self-contained file); returns its path."
     out = Path(out)
@@ -587,7 +581,7 @@ def write_html(run_dir, out, select: dict | None = None) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     return atomic_write_text(out, viewer_html(run_dir, select))
 
-# %% ../nbs/92_viewer.ipynb #5858b787
+# %% ../nbs/92_viewer.ipynb #5aad6198
 def _cmd_export(args) -> int:
     out = write_html(args.run_dir, args.html)
     print(f"wrote {out} ({out.stat().st_size / 1024:,.0f} KB); open it in a browser, e.g. "
