@@ -194,3 +194,23 @@ def test_runs_show_of_an_rse_run_gives_each_trajectory_its_distilled_items_and_t
     assert "~ proposition: 6 times 7 is 42 merged into '6 times 7 is 42' (exact)" in t1
     assert 'rse bank after iteration 0 · 2 item(s) · +2 added' in r0
     assert 'the prompt carried 1 propositions, 1 pitfalls' in tree[tree.index('iteration 1 · '):]
+
+
+@pytest.mark.parametrize('name', ['sampling', 'mv', 'self-refine', 'verify-refine', 'pacore', 'rse'])
+def test_every_method_tags_its_calls_with_the_candidate_of_the_record(name, tmp_path):
+    from helpers import REPLIES, ScriptedLLM
+    from tmas_nb.methods import BaselineConfig, RSEConfig
+    kw = dict(n_candidates=3, iterations=2, embedder='hashing', max_new_tokens=32)
+    cfg = RSEConfig(**kw) if name == 'rse' else BaselineConfig(**kw)
+    run = asyncio.run(start_run(name, PROBLEM, cfg, tmp_path / name, model='scripted', llm=ScriptedLLM(REPLIES),
+                                benchmark='demo', progress=False))
+    calls, rec = run.calls(), run.records
+    made = calls[calls.role.isin(['solution', 'refine'])]
+    assert sorted(zip(made.iteration, made.candidate)) == \
+        sorted((i, k) for i, k, b in zip(rec.iteration, rec.candidate, rec.branch) if b != 'majority')
+    for role, d in json.loads((run.run_dir / 'usage.json').read_text())['by_role'].items():
+        assert int(calls[calls.role == role].completion_tokens.sum()) == d['completion_tokens'], role
+    if name == 'verify-refine':
+        assert calls[calls.role == 'verification'].groupby(['iteration', 'candidate']).size().tolist() == [1] * 6
+    if name == 'rse':
+        assert sorted(calls[calls.role == 'distillation'].candidate) == [0, 1, 2]

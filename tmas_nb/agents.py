@@ -24,7 +24,7 @@ __all__ = ['ROLE_SAMPLING_KEYS', 'TMAS_ROLE_SAMPLING', 'DISTILL_MAX_CHARS', 'der
            'tag_request', 'request_tag', 'AgentContext', 'solve', 'Verification', 'is_fully_verified', 'verify',
            'summarize', 'MemoryUpdate', 'update_experience', 'update_guidelines', 'apply_distillation',
            'rollout_trajectory', 'distill', 'rse_rollouts', 'sample', 'self_refine', 'verify_refine', 'pacore',
-           'call_rows', 'MeteredLLM']
+           'call_rows', 'MeteredLLM', 'compact_calls']
 
 # %% ../nbs/21_agents.ipynb #17bfe1ef
 def derive_seed(run_seed: int, problem_id: str, iteration: int, candidate: int, role: str) -> int:
@@ -316,3 +316,12 @@ class MeteredLLM(LLM):
         end = time.time()
         for r, w, cs in zip(requests, who, out): self.calls += call_rows(r, cs, w, start, end)
         return out
+
+# %% ../nbs/21_agents.ipynb #1ab4130f
+def compact_calls(rows: Sequence[dict]) -> list[dict]:
+    "Call rows with each prompt equal to the previous row's written as None (one request's samples share one prompt)."
+    out, prev = [], None
+    for r in rows:
+        out.append({**r, 'prompt': None} if prev is not None and r['prompt'] == prev else dict(r))
+        prev = r['prompt']
+    return out

@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from .core import atomic_write_json
 from .llm.core import LLM, Completion
-from .agents import (SamplingConfig, AgentContext, TMAS_ROLE_SAMPLING, DISTILL_MAX_CHARS, rollout_trajectory, Verification, MemoryUpdate, MeteredLLM, derive_rng, is_fully_verified,
+from .agents import (SamplingConfig, AgentContext, TMAS_ROLE_SAMPLING, DISTILL_MAX_CHARS, rollout_trajectory, Verification, MemoryUpdate, MeteredLLM, compact_calls, derive_rng, is_fully_verified,
                             solve, verify, summarize, update_experience, update_guidelines, distill, rse_rollouts,
                             sample, self_refine, verify_refine, pacore, apply_distillation)
 from .memory import (ExperienceBank, GuidelineBank, RSEBank, HashingEmbedder, TMAS_DEDUP_THRESHOLD,
@@ -646,7 +646,7 @@ async def run_problem(method: Method, problem: Problem, llm: LLM, run_dir, bar=N
             'version': 1, 'method': method.name, 'problem_id': problem.id, 'iteration': it, 'done': bool(done),
             'wall_s': wall, 'records': recs, 'state': state, 'bank_files': bank_files,
             'banks': {n: bank_items(n, b) for n, b in banks.items()},
-            'memory': [u.to_dict() for u in res.memory], 'usage': meter.usage.by_role, 'calls': meter.calls})
+            'memory': [u.to_dict() for u in res.memory], 'usage': meter.usage.by_role, 'calls': compact_calls(meter.calls)})
         records += recs
         if bar is not None: bar.update(method.n_iterations - it - 1 if done else 1)
     return records

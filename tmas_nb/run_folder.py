@@ -152,12 +152,17 @@ def collect_run(run_dir, problem_ids: Sequence[str] | None = None) -> tuple[list
 
 # %% ../nbs/24a_run_folder.ipynb #aa783abb
 def collect_calls(run_dir, problem_ids: Sequence[str] | None = None, checkpoints: dict | None = None) -> list[dict]:
-    "Every call row in a run's checkpoints (`read_checkpoints`, unless given), in problem order, each with the run's folder name."
+    "Every call row in a run's checkpoints (`read_checkpoints`, unless given), in problem order, each with the run's folder name and its prompt (a checkpoint writes a prompt shared with the row before once)."
     cps = read_checkpoints(run_dir) if checkpoints is None else checkpoints
     order = list(problem_ids) if problem_ids is not None else []
     order += [p for p in cps if p not in order]
-    name = Path(run_dir).resolve().name
-    return [{'run': name, **c} for pid in order for cp in cps.get(pid, []) for c in cp.get('calls', [])]
+    name, out = Path(run_dir).resolve().name, []
+    for cp in (cp for pid in order for cp in cps.get(pid, [])):
+        prev = None
+        for c in cp.get('calls', []):
+            prev = c['prompt'] if c.get('prompt') is not None else prev
+            out.append({'run': name, **c, 'prompt': prev})
+    return out
 
 # %% ../nbs/24a_run_folder.ipynb #03ebea81
 def calls_frame(rows):
@@ -414,13 +419,15 @@ def load_run(run_dir) -> Run:
 
 # %% ../nbs/24a_run_folder.ipynb #35bcf62e
 @patch
-def calls(self:Run):
-    "Every model call of the run, one row per sample (`CALL_COLUMNS`): from `calls.parquet` when finished, else from the checkpoints."
+def calls(self:Run, problem_id: str | None = None):
+    "Every model call of the run (or of one problem), one row per sample (`CALL_COLUMNS`): from `calls.parquet` when finished, else from the checkpoints."
     path, cps = self.run_dir / 'calls.parquet', self.run_dir / 'checkpoints'
     if path.exists() and (self.complete or not cps.is_dir()):
-        return calls_frame(_checked(pd.read_parquet(path), CALL_COLUMNS, path))
-    df = calls_frame(collect_calls(self.run_dir, self.config.get('problem_ids')) if cps.is_dir() else [])
-    if len(df) == 0 and len(self.records):
+        where = [('problem_id', '==', str(problem_id))] if problem_id is not None else None
+        return calls_frame(_checked(pd.read_parquet(path, filters=where), CALL_COLUMNS, path))
+    rows = collect_calls(self.run_dir, self.config.get('problem_ids')) if cps.is_dir() else []
+    df = calls_frame([r for r in rows if problem_id is None or r['problem_id'] == str(problem_id)])
+    if not rows and len(self.records):                    # the run has none at all
         df.attrs['note'] = (f"{self.run_dir}: no calls recorded (a run folder of an older version, or a method that does not "
                             f"call the model through its agents); its prompts and replies are only in calls.sqlite")
         print(df.attrs['note'], file=sys.stderr)

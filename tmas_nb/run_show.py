@@ -49,7 +49,7 @@ def tree_lines(nodes: Sequence[tuple], prefix: str = '') -> list[str]:
         out += tree_lines(kids, inner)
     return out
 
-# %% ../nbs/24d_run_show.ipynb #c6d6ae6e
+# %% ../nbs/24d_run_show.ipynb #32d2d6df
 @dataclass
 class RunView:
     "What `tmas runs show` reads of a run folder: the `Run`, its calls (`Run.calls`) and the checkpoints of each problem, read when first asked for."
@@ -58,10 +58,10 @@ class RunView:
     cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def open(cls, run_dir) -> RunView:
-        "Open `run_dir` (finished, running or interrupted) for the view."
+    def open(cls, run_dir, problem_id: str | None = None) -> RunView:
+        "Open `run_dir` (finished, running or interrupted) for the view (of one problem's calls only, with `problem_id`)."
         run = load_run(run_dir)
-        return cls(run, run.calls())
+        return cls(run, run.calls(problem_id))
 
     def checkpoints(self, problem_id: str) -> list[dict]:
         "The checkpoints of one problem, iteration 0 first."
@@ -95,18 +95,19 @@ def memory_of(self:RunView, problem_id: str, iteration: int, agent: str | None =
     return [e for e in self.run.memory_events if e['problem_id'] == problem_id and e['iteration'] == iteration
             and (agent is None or e['agent'] == agent)]
 
-# %% ../nbs/24d_run_show.ipynb #36106653
+# %% ../nbs/24d_run_show.ipynb #d6c59304
 def _clip(text, width: int = 60) -> str:
     "`text` on one line, cut at `width` characters."
     s = ' '.join(str(text).split())
     return s if len(s) <= width else s[:width - 1] + '…'
 
+# %% ../nbs/24d_run_show.ipynb #7e204e75
 def run_header(run: Run) -> str:
     "One line naming the run: folder, method, model, problems, completeness."
     return (f"run {run.run_dir.name} · {run.label} · model {run.model} · {run.n_problems} problem(s) · "
             f"{'complete' if run.complete else 'not complete'}")
 
-# %% ../nbs/24d_run_show.ipynb #0b3b9f45
+# %% ../nbs/24d_run_show.ipynb #143848f4
 def problem_table(view: RunView, iteration: int | None = None) -> str:
     "Problems × iterations (or one iteration): correct / candidates, the answers of the last iteration shown, Pass@1 per iteration."
     rec = view.run.records
@@ -126,18 +127,18 @@ def problem_table(view: RunView, iteration: int | None = None) -> str:
     lines.append(f"(one problem's iterations: tmas runs show {view.run.run_dir} --problem ID)")
     return '\n'.join(lines)
 
-# %% ../nbs/24d_run_show.ipynb #e6ef76b9
+# %% ../nbs/24d_run_show.ipynb #17f09fff
 def call_node(c, full: bool = False) -> tuple:
     "One call row (`Run.calls`) as a node: role, score of a review, finish reason, tokens, seconds, and its shortened reply."
     if c.role == 'verification':
         s = None if c.finish_reason == 'length' else parse_verification_score(c.reply)
         what = f"review {c.sample + 1} · score {'cut off' if c.finish_reason == 'length' else 'unreadable' if s is None else f'{s:g}'}"
-    else: what = c.role + (f' {c.sample + 1}' if c.sample else '')
+    else: what = c.role
     cut = ' (cut by the token limit)' if c.finish_reason == 'length' else ''
     how = f"{c.finish_reason}{cut} · {c.completion_tokens} tokens · {c.end - c.start:.1f} s{' · replayed' if c.cached else ''}"
     return f'{what} · {how}', shorten(c.reply, full), []
 
-# %% ../nbs/24d_run_show.ipynb #e780736c
+# %% ../nbs/24d_run_show.ipynb #9ea7f904
 CANDIDATE_ROLES = ('solution', 'refine', 'verification', 'summary', 'distillation')
 "The roles of calls made for one candidate, in the order the view shows them."
 
@@ -151,19 +152,21 @@ def candidate_head(r, word: str = 'candidate') -> str:
     return (f'{word} {r.candidate} · {r.branch} · {r.finish_reason}{cut} · answer {_clip(r.answer or "—", 40)} · {verdict}'
             f'{scores}{verified} · {r.completion_tokens} tokens')
 
-# %% ../nbs/24d_run_show.ipynb #6cd058d0
+# %% ../nbs/24d_run_show.ipynb #36abb07f
 def candidate_node(view: RunView, r, role: str | None = None, full: bool = False, word: str = 'candidate') -> tuple:
     "One candidate record as a node: its description and, as children, its calls by role (or only `role`'s)."
     calls = view.calls_of(r.problem_id, r.iteration, r.candidate)
     kids = [call_node(c, full) for rl in CANDIDATE_ROLES if role in (None, rl)
             for c in calls[calls.role == rl].itertuples()]
     if not len(calls) and role in (None, 'solution') and r.solution:
-        kids.append(('solution (from the records: this run kept no calls)', shorten(r.solution, full), []))
+        why = ("the voted candidate's solution (no model call)" if r.branch == 'majority' else
+               'solution (from the records: this run kept no calls)' if not len(view.calls) else 'solution (from the records)')
+        kids.append((why, shorten(r.solution, full), []))
     if not (calls.role == 'summary').any() and role in (None, 'summary') and r.summary:
         kids.append(('summary (from the records)', shorten(r.summary, full), []))
     return candidate_head(r, word), [], kids
 
-# %% ../nbs/24d_run_show.ipynb #e713d0e8
+# %% ../nbs/24d_run_show.ipynb #2783d294
 def merge_lines(events: Sequence[dict], width: int = 80) -> list[str]:
     "What de-duplication merged in bank update events ('~ item merged into head (reason, similarity)'), and restored guidelines ('!')."
     out = []
@@ -177,7 +180,7 @@ def merge_lines(events: Sequence[dict], width: int = 80) -> list[str]:
         out += [f"! restored {_clip(x['text'], width)!r} ({x['reason']} by the agent)" for x in e.get('restored', [])]
     return out
 
-# %% ../nbs/24d_run_show.ipynb #4acd1f90
+# %% ../nbs/24d_run_show.ipynb #0a51438d
 BANK_OF_ROLE = {'experience': 'experience', 'guideline': 'guideline', 'distillation': 'rse'}
 "The bank each memory role writes."
 
@@ -200,7 +203,7 @@ def bank_nodes(view: RunView, problem_id: str, iteration: int, role: str | None 
                     f"{len(d['kept'])} kept · −{len(d['dropped'])} dropped", body, []))
     return out
 
-# %% ../nbs/24d_run_show.ipynb #35670fce
+# %% ../nbs/24d_run_show.ipynb #daed763f
 def memory_nodes(view: RunView, problem_id: str, iteration: int, role: str | None = None, full: bool = False) -> list[tuple]:
     "The experience and guideline agents' updates at `iteration` (with their replies), then the banks after it."
     nodes = []
@@ -212,7 +215,7 @@ def memory_nodes(view: RunView, problem_id: str, iteration: int, role: str | Non
         nodes.append((f"{e['agent']} agent · {how}", [f"note: {e['error']}"] if e.get('error') else [], kids))
     return nodes + bank_nodes(view, problem_id, iteration, role, full, merges=view.run.method != 'rse')
 
-# %% ../nbs/24d_run_show.ipynb #9d04ad68
+# %% ../nbs/24d_run_show.ipynb #b0f9b8b4
 def distilled_node(update: dict, bank_event: dict | None, full: bool = False) -> tuple:
     "What one trajectory's distillation gave: the items proposed, those the bank added ('+') and those merged ('~')."
     if not update['ok']:
@@ -224,14 +227,14 @@ def distilled_node(update: dict, bank_event: dict | None, full: bool = False) ->
     body += merge_lines([bank_event]) if bank_event else [f'· {clip(x)}' for x in props + pits]
     return (f"distilled · {len(props)} proposition(s), {len(pits)} pitfall(s) · {update['added']} added to the bank", body, [])
 
-# %% ../nbs/24d_run_show.ipynb #6d376115
+# %% ../nbs/24d_run_show.ipynb #c7dc2ba7
 def rse_distillations(view: RunView, problem_id: str, iteration: int) -> dict[int, tuple]:
     "Per trajectory of an RSE round: (its distillation update, the bank's event for it or None)."
     ups = view.memory_of(problem_id, iteration, 'distillation')        # one per trajectory, in order
     events = iter(view.bank_events(problem_id, iteration, 'rse'))       # one per usable distillation, in the same order
     return {k: (u, next(events, None) if u['ok'] else None) for k, u in enumerate(ups)}
 
-# %% ../nbs/24d_run_show.ipynb #f8bc7f2c
+# %% ../nbs/24d_run_show.ipynb #f3e34c05
 def iteration_head(view: RunView, problem_id: str, iteration: int, g: pd.DataFrame) -> str:
     "One line for an iteration: correct candidates, Pass@1 and what the method did there."
     head = f"iteration {iteration} · {int(g.correct.sum())}/{len(g)} correct · Pass@1 {g.correct.mean():.2f}"
@@ -246,7 +249,7 @@ def iteration_head(view: RunView, problem_id: str, iteration: int, g: pd.DataFra
         head += ' · vote over iteration ' + f'{iteration - 1}: ' + ', '.join(f'{_clip(a or "—", 16)} ×{n}' for a, n in Counter(prev.answer).most_common())
     return head + (' · stopped early: a candidate was fully verified' if m == 'tmas' and cp.get('done') else '')
 
-# %% ../nbs/24d_run_show.ipynb #cbade596
+# %% ../nbs/24d_run_show.ipynb #5cc05343
 def iteration_node(view: RunView, problem_id: str, iteration: int, role: str | None = None, full: bool = False) -> tuple:
     "One iteration of one problem as a node: its candidates with their calls, then the memory agents and banks."
     rec = view.run.records
@@ -260,7 +263,7 @@ def iteration_node(view: RunView, problem_id: str, iteration: int, role: str | N
         kids.append((head, body, ks))
     return iteration_head(view, problem_id, iteration, g), [], kids + memory_nodes(view, problem_id, iteration, role, full)
 
-# %% ../nbs/24d_run_show.ipynb #ecee31f5
+# %% ../nbs/24d_run_show.ipynb #48a4063e
 ROLES = ('solution', 'refine', 'verification', 'summary', 'experience', 'guideline', 'distillation')
 "The agent roles a run's calls may have (a server-side run may add its own)."
 
@@ -280,11 +283,11 @@ def problem_tree(view: RunView, problem_id: str, iteration: int | None = None, r
     nodes = [iteration_node(view, str(problem_id), it, role, full) for it in (its if iteration is None else [iteration])]
     return '\n'.join([head, *tree_lines(nodes)])
 
-# %% ../nbs/24d_run_show.ipynb #c25da3ac
+# %% ../nbs/24d_run_show.ipynb #692e30c1
 def show_run_text(run_dir, problem: str | None = None, iteration: int | None = None, role: str | None = None,
                   full: bool = False) -> str:
     "The text of `tmas runs show`: problems × iterations, or one problem's iterations as a tree (every problem's with `role` alone)."
-    view = RunView.open(run_dir)
+    view = RunView.open(run_dir, problem)
     if problem is None and role is None: text = problem_table(view, iteration)
     else:
         ids = [str(problem)] if problem is not None else list(dict.fromkeys(view.run.records.problem_id))
@@ -292,11 +295,12 @@ def show_run_text(run_dir, problem: str | None = None, iteration: int | None = N
     note = view.calls.attrs.get('note')
     return text + (f'\n\nnote: {note}' if note else '')
 
-# %% ../nbs/24d_run_show.ipynb #99b1bf80
+# %% ../nbs/24d_run_show.ipynb #ea8a178c
 def _cmd_show(args) -> int:
     print(show_run_text(args.run_dir, args.problem, args.iteration, args.role, args.full))
     return 0
 
+# %% ../nbs/24d_run_show.ipynb #a90017df
 def show_cli(p) -> None:
     "The flags of `tmas runs show`."
     p.add_argument('run_dir', help='the run folder')
