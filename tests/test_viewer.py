@@ -1,4 +1,4 @@
-"""The run viewer on a real run folder (TMAS with the packaged model), checked in a real headless browser.
+"""The run viewer on a real run folder (TMAS with the packaged SmolLM2), checked in a real headless browser.
 
 The browser is Debian's chromium (`apt-get install chromium`; `.ci/setup` installs it). Without it the test fails and
 says how to install it, unless TMAS_NO_BROWSER=1 opts out (then it is reported as skipped, with the reason).
@@ -45,12 +45,12 @@ def browse(page, fragment: str) -> tuple[str, list[str]]:
 
 @pytest.fixture(scope='module')
 def real_run(tmp_path_factory):
-    "TMAS with the packaged model on one demo problem: N=2 candidates, M=1 review each, 2 iterations, short prompts and answers."
+    "TMAS with the packaged SmolLM2 on one demo problem: N=2 candidates, M=1 review each, 2 iterations, short prompts and answers (`default` takes minutes here)."
     cfg = TMASConfig(n_candidates=2, n_verifications=1, iterations=2, epsilon=0.5, max_new_tokens=12, embedder='hashing',
                      memory_retries=0, seed=0, templates=TINY_TEMPLATES)
     run_dir = tmp_path_factory.mktemp('viewer') / 'run'
-    asyncio.run(start_run('tmas', demo_problems()[:1], cfg, run_dir, model='default', progress=False, benchmark='demo',
-                          num_threads=2))
+    asyncio.run(start_run('tmas', demo_problems()[:1], cfg, run_dir, model='smollm2', progress=False, benchmark='demo',
+                          num_threads=1))
     return load_run(run_dir)
 
 
