@@ -91,6 +91,8 @@ def test_the_browser_shows_the_selected_candidates_review_and_no_model_text_runs
     assert dom.count('<script') == 2 and '<img' not in dom           # the hostile texts made no element
     assert html.escape(HOSTILE, quote=False) in candidate_part(dom, 0)
     assert '>demo-01 · It2<' in dom
+    page_text = re.sub(r'<script.*?</script>', '', dom, flags=re.S)
+    assert not re.search(r'>\s*(null|undefined)\s*<', page_text)   # no value drawn as the word null
 
 
 def test_a_selection_the_run_does_not_have_says_so(real_run, tmp_path):

@@ -259,6 +259,7 @@ details > summary { cursor: pointer; }
 .badge.good { color: var(--good); border-color: #aceebb; background: #dafbe1; } .badge.bad { color: var(--bad); border-color: #ffcecb; background: #ffebe9; }
 .badge.warn { color: var(--warn); border-color: #f5d97a; background: #fff8c5; } .badge.role { font-family: ui-monospace, monospace; }
 .answer code, summary code { background: var(--soft); padding: 0 5px; border-radius: 4px; }
+.answer { max-width: 320px; overflow: hidden; text-overflow: ellipsis; white-space: nowrap; }
 .score, .tokens { color: var(--muted); font-size: 12.5px; }
 pre.text { white-space: pre-wrap; word-break: break-word; background: var(--soft); border: 1px solid #eaeef2; border-radius: 6px; padding: 7px 9px;
            margin: 4px 0; max-height: 340px; overflow: auto; font: 12.5px/1.45 ui-monospace, SFMono-Regular, Menlo, monospace; }
@@ -468,7 +469,7 @@ function card(c) {
                            open: S.candidate === c.candidate, dataset: {candidate: c.candidate}},
     el('summary', {}, el('b', {}, 'candidate ' + c.candidate), badge(c.branch, 'branch ' + c.branch),
        cut ? badge('cut at the token limit', 'warn', 'finish reason: length') : badge(c.finish_reason, 'plain', 'finish reason'),
-       el('span', {class: 'answer'}, 'answer ', el('code', {}, none(c.answer) ? 'none' : c.answer)),
+       el('span', {class: 'answer', title: none(c.answer) ? 'no answer' : c.answer}, 'answer ', el('code', {}, none(c.answer) ? 'none' : c.answer)),
        badge(c.correct ? '✓ correct' : '✗ wrong', c.correct ? 'good' : 'bad'),
        c.scores.length ? el('span', {class: 'score'}, 'score ' + fix(c.mean_score, 2)) : null,
        el('span', {class: 'tokens'}, c.completion_tokens + ' tokens')),
@@ -524,15 +525,15 @@ function main() {
   return el('div', {class: 'main'},
     el('section', {class: 'cands'},
       el('h2', {}, `${p.id} · ${itName(S.iteration)}`, el('span', {class: 'counts'}, info.filter(Boolean).join(' · '))),
-      p.question ? el('details', {class: 'question', open: true}, el('summary', {}, 'Problem · answer ', el('code', {}, p.gold), p.category ? ' · ' + p.category : ''), text(p.question)) : null,
+      p.question ? el('details', {class: 'question', open: true}, el('summary', {}, 'Problem · reference answer ', el('code', {}, p.gold), p.category ? ' · ' + p.category : ''), text(p.question)) : null,
       it.candidates.map(card)),
     side(it));
 }
 function render() {
   const app = document.getElementById('app');
   if (!DATA.problems.length) { app.replaceChildren(header(), el('p', {class: 'missing'}, 'This run has no records yet.')); return; }
-  app.replaceChildren(header(), nav(), overview(), main(), DATA.notes.length ? el('footer', {}, el('h4', {}, 'What this run folder does not record'),
-                                                                                   el('ul', {}, DATA.notes.map(n => el('li', {}, n)))) : null);
+  app.replaceChildren(header(), nav(), overview(), main());      // (replaceChildren would write a null as the text "null")
+  if (DATA.notes.length) app.append(el('footer', {}, el('h4', {}, 'What this run folder does not record'), el('ul', {}, DATA.notes.map(n => el('li', {}, n)))));
   const chosen = document.getElementById('candidate-' + S.candidate);
   if (chosen && chosen.getBoundingClientRect().top > 0.7 * window.innerHeight) chosen.scrollIntoView({block: 'start'});
 }
