@@ -502,7 +502,7 @@ function memory(events) {
        e.ok ? ` · parsed in ${plural(e.attempts, 'attempt')} · ${e.added} added` : ` · failed after ${plural(e.attempts, 'attempt')}`),
     e.error ? el('div', {class: 'missing'}, e.error) : null,
     Object.entries(e.answer).map(([k, v]) => el('div', {class: 'answer-list'}, el('div', {class: 'rhead'}, k.replace(/_/g, ' ')),
-                                                    el('ul', {}, v.map(t => el('li', {}, t))))))));
+                                                    v.length ? el('ul', {}, v.map(t => el('li', {}, t))) : el('div', {class: 'missing'}, 'none'))))));
 }
 function side(it) {
   const names = Object.keys(it.banks);
