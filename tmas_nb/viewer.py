@@ -177,7 +177,9 @@ def run_facts(run: Run) -> dict:
     "The header of the viewer: label, method, model, benchmark, folder, sizing settings, completeness, wall time."
     s, rse = run.settings, run.method == 'rse'
     names = {**SETTING_NAMES, **({'n_candidates': 'K', 'iterations': 'R'} if rse else {})}
-    shown = [f"{names[k]}={s[k]}" for k in names if s.get(k) is not None]
+    unused = {'n_verifications'} if run.method not in ('tmas', 'verify-refine') else set()
+    unused |= ({'embedder'} if run.method not in ('tmas', 'rse') else set()) | ({'iterations'} if run.method == 'mv' else set())
+    shown = [f"{names[k]}={s[k]}" for k in names if s.get(k) is not None and k not in unused]
     return {'label': run.label, 'method': run.method, 'model': run.config.get('model_id') or run.model,
             'backend': run.config.get('backend'), 'benchmark': run.config.get('benchmark'), 'folder': run.run_dir.name,
             'settings': ' · '.join(shown), 'problems': run.n_problems, 'complete': run.complete,
