@@ -58,6 +58,7 @@ FLAGS = {
     '--quiet': ('no progress bar', {'data fetch', 'data hard-subset', 'discover', 'engines build-llama', 'engines calibrate',
                                     'judge', 'replay build', 'replay eval', 'replay grid', 'report', 'rl teacher', 'rl train', 'run'}),
     '--json': ('print one JSON object', {'data list', 'doctor', 'grade', 'replay eval', 'runs summary'}),
+    '--html': ('write an HTML file', {'runs export'}),
     # data
     '--data-dir': ('the data folder', {'data list', 'data mirror', 'discover', 'replay build', 'replay eval', 'replay grid', 'replay show'}),
     '--benchmark': ('a benchmark: a name or a file (replay: the store of that benchmark)',

@@ -59,6 +59,10 @@ COMMANDS = {   # command: (module:function that adds its flags, help, descriptio
                   'that problem\'s iterations as a tree: each candidate (branch, finish reason, answer, verdict), the texts of '
                   'its calls (solution, reviews with their scores, summary), the memory agents and what each bank added, kept '
                   'and dropped (RSE: what each trajectory distilled and what was merged). Texts are shortened unless --full.'),
+    'runs export': ('tmas_nb.viewer:export_cli', 'write a run as one self-contained HTML viewer (candidates, reviews, banks, Pass@1)',
+                    'Write the run viewer (every candidate with its reviews and summary, the banks with what each iteration added, '
+                    'kept and dropped, Pass@1 by iteration) as one HTML file that needs no server or network. Open it at '
+                    '#problem=ID&iteration=K&candidate=C (K counts from 1).'),
     'report': ('tmas_nb.reporting:report_cli', 'regenerate a report notebook (papermill) into an output folder',
                'Run reports/NAME.ipynb (or all of them) with papermill; outputs go to OUT/NAME/.'),
     'rl data': ('tmas_nb.rl:data_cli', 'training rows (Parquet) from finished TMAS runs, or the toy task',
