@@ -62,7 +62,7 @@ def candidate_part(dom: str, k: int) -> str:
 
 
 def test_the_browser_shows_the_selected_candidates_review_and_no_model_text_runs(real_run, tmp_path):
-    "`tmas runs export` of a real run, opened at It2, candidate 1: the card is open and shows its review text; a reply that closes the script element stays text."
+    "`tmas runs export` of a real run, opened at It1 (the second iteration), candidate 1: the card is open and shows its review text; a reply that closes the script element stays text."
     calls = real_run.calls()
     mine = calls[(calls.iteration == 1) & (calls.candidate == 1) & (calls.role == 'verification')]
     assert len(mine) == 1 and mine.reply.iloc[0].strip(), mine
@@ -81,7 +81,7 @@ def test_the_browser_shows_the_selected_candidates_review_and_no_model_text_runs
     text = page.read_text(encoding='utf-8')
     assert HOSTILE not in text and text.count('<script') == 2
 
-    dom, console = browse(page, f'problem=demo-01&iteration=2&candidate=1')
+    dom, console = browse(page, 'problem=demo-01&iteration=1&candidate=1')
     assert not console, console                                      # nothing logged: no error, no blocked script
     assert 'data-ready="1"' in dom and 'data-errors' not in dom, dom[:2000]
     assert re.search(r'<div id="errors"[^>]*hidden', dom)
@@ -90,7 +90,7 @@ def test_the_browser_shows_the_selected_candidates_review_and_no_model_text_runs
     assert html.escape(review, quote=False) in card                  # the review text, as text
     assert dom.count('<script') == 2 and '<img' not in dom           # the hostile texts made no element
     assert html.escape(HOSTILE, quote=False) in candidate_part(dom, 0)
-    assert '>demo-01 · It2<' in dom
+    assert '>demo-01 · It1<' in dom
     page_text = re.sub(r'<script.*?</script>', '', dom, flags=re.S)
     assert not re.search(r'>\s*(null|undefined)\s*<', page_text)   # no value drawn as the word null
 
@@ -100,4 +100,4 @@ def test_a_selection_the_run_does_not_have_says_so(real_run, tmp_path):
     assert main(['runs', 'export', str(real_run.run_dir), '--html', str(page)]) == 0
     dom, console = browse(page, 'problem=demo-01&iteration=9')
     assert not console and 'data-ready="1"' in dom
-    assert 'No It9 for this problem (it has 2).' in dom and '>demo-01 · It1<' in dom
+    assert 'No It9 for this problem (it has 2).' in dom and '>demo-01 · It0<' in dom

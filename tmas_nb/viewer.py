@@ -202,12 +202,12 @@ def run_notes(run: Run, parts: RunParts) -> list[str]:
 
 # %% ../nbs/92_viewer.ipynb #b7ae971f
 def run_view(run: Run, select: dict | None = None, max_chars: int | None = None) -> dict:
-    "Everything the viewer shows of `run` as one JSON-ready dict; `select` = {problem, iteration (from 1), candidate} to open first."
+    "Everything the viewer shows of `run` as one JSON-ready dict; `select` = {problem, iteration (from 0, It0), candidate} to open first."
     parts = run_parts(run, max_chars)
     questions, notes = questions_of(run.config)
     curve = pass_at_1_by_iteration(run.records)
     pids = list(dict.fromkeys(str(p) for p in run.records['problem_id']))
-    return json_ready({'run': run_facts(run), 'step_name': 'Round' if run.method == 'rse' else 'It',
+    return json_ready({'run': run_facts(run), 'step_name': 'It',
                        'curve': [{'iteration': int(c.iteration), 'pass_at_1': float(c.pass_at_1), 'candidates': int(c.candidates)} for c in curve.itertuples()],
                        'problems': [problem_view(parts, pid, questions.get(pid)) for pid in pids],
                        'has_calls': parts.calls is not None, 'notes': run_notes(run, parts) + notes, 'select': select or {}})
@@ -335,7 +335,7 @@ function section(title, ...body) { return el('div', {class: 'section'}, el('h4',
 _JS_STATE = r'''
 const DATA = JSON.parse(document.getElementById('run-data').textContent);
 const S = {problem: 0, iteration: 0, candidate: null, notices: []};
-const itName = k => DATA.step_name + (DATA.step_name.length > 2 ? ' ' : '') + (k + 1);
+const itName = k => DATA.step_name + k;
 const problem = () => DATA.problems[S.problem];
 const iteration = () => problem().iterations[S.iteration];
 function share(it) { const c = it.candidates; return c.length ? c.filter(x => x.correct).length / c.length : null; }
@@ -349,7 +349,7 @@ function readSelection() {
   }
   const n = problem() ? problem().iterations.length : 0;
   if (!none(sel.iteration)) {
-    const k = parseInt(sel.iteration, 10) - 1;
+    const k = parseInt(sel.iteration, 10);
     if (k >= 0 && k < n) S.iteration = k; else S.notices.push('No ' + DATA.step_name + sel.iteration + ' for this problem (it has ' + n + ').');
   }
   if (!none(sel.candidate) && n) {
@@ -360,13 +360,13 @@ function readSelection() {
 }
 function writeSelection() {
   if (!/^(file|https?):$/.test(location.protocol)) return;        // a notebook's frame has no address of its own
-  const q = new URLSearchParams({problem: problem().id, iteration: String(S.iteration + 1)});
+  const q = new URLSearchParams({problem: problem().id, iteration: String(S.iteration)});
   if (!none(S.candidate)) q.set('candidate', String(S.candidate));
   history.replaceState(null, '', '#' + q.toString());
 }
 function select(changes) { Object.assign(S, changes); S.notices = []; writeSelection(); render(); }
 '''
-"The data, the selection (problem, iteration, candidate) and the URL fragment `#problem=ID&iteration=K&candidate=C` (K from 1)."
+"The data, the selection (problem, iteration, candidate) and the URL fragment `#problem=ID&iteration=K&candidate=C` (K from 0: It0 is the first iteration)."
 
 # %% ../nbs/92_viewer.ipynb #45272aa8
 _JS_PLOT = r'''
@@ -409,7 +409,7 @@ function header() {
                  r.settings, (r.complete ? 'complete' : 'NOT complete') + (none(r.wall_s) ? '' : ', ' + fix(r.wall_s, 0) + ' s')];
   return el('header', {}, el('div', {class: 'head'}, el('h1', {}, r.label, el('span', {class: 'folder'}, r.folder)),
                               el('div', {class: 'facts'}, facts.filter(Boolean).join('  ·  ')),
-                              el('div', {class: 'legend'}, `${itName(0)}, ${itName(1)}, …: iterations counted from 1 as the papers do (the records count from 0).`)),
+                              el('div', {class: 'legend'}, `${itName(0)}, ${itName(1)}, …: iterations counted from 0 as the papers' tables and the records count them.`)),
             plot());
 }
 function nav() {
@@ -555,7 +555,7 @@ VIEWER_JS_PARTS = ('_JS_BASE', '_JS_STATE', '_JS_PLOT', '_JS_NAV', '_JS_CANDIDAT
 "The parts of the viewer's script, in the order the document inlines them."
 
 def viewer_html(run, select: dict | None = None, max_chars: int | None = None) -> str:
-    "The viewer of `run` (a `Run` or a run folder) as one self-contained HTML document; `select` = {problem, iteration (from 1), candidate} to open first."
+    "The viewer of `run` (a `Run` or a run folder) as one self-contained HTML document; `select` = {problem, iteration (from 0, It0), candidate} to open first."
     run = run if isinstance(run, Run) else load_run(run)
     data, nonce = run_view(run, select, max_chars), secrets.token_urlsafe(18)
     csp = f"default-src 'none'; script-src 'nonce-{nonce}'; style-src 'nonce-{nonce}'; img-src data:; base-uri 'none'; form-action 'none'"
@@ -570,7 +570,7 @@ def viewer_html(run, select: dict | None = None, max_chars: int | None = None) -
 
 # %% ../nbs/92_viewer.ipynb #546445a6
 def show_run(run_dir, problem: str | None = None, iteration: int | None = None, candidate: int | None = None, height: int = 820) -> HTML:
-    "The interactive viewer of a run folder in a notebook, opened at `problem`, `iteration` (from 1, as the papers count) and `candidate`."
+    "The interactive viewer of a run folder in a notebook, opened at `problem`, `iteration` (from 0, It0, as the papers' tables count) and `candidate`."
     select = {k: v for k, v in dict(problem=problem, iteration=iteration, candidate=candidate).items() if v is not None}
     doc = viewer_html(run_dir, select)
     return HTML(f'<div class="tmas-viewer"><iframe sandbox="allow-scripts" title="run viewer" srcdoc="{html.escape(doc, quote=True)}" '
