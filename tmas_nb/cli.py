@@ -46,9 +46,14 @@ COMMANDS = {   # command: (module:function that adds its flags, help, descriptio
     'run': ('tmas_nb.runs:run_cli', 'run TMAS, RSE or a baseline on a benchmark into a run folder (resumable)',
             'Run a method on a benchmark. Rerunning the same command on the same --out folder resumes it from its '
             'checkpoints and call cache.'),
-    'runs summary': ('tmas_nb.runs:summary_cli', 'pass@1 per iteration, tokens per role and completeness of a run',
+    'runs summary': ('tmas_nb.runs:summary_cli', 'pass@1 per iteration, tokens per role, wall time, engine, outputs cut and answers of a run',
                      'Print the summary of a run folder; with --json exactly one JSON object with the keys method, problems, '
-                     'iterations, tokens_by_role, tokens_by_endpoint, complete.'),
+                     'iterations, tokens_by_role, tokens_by_endpoint, complete, wall_s, engine, backend, truncated_by_role, '
+                     'warnings, answers.'),
+    'runs list': ('tmas_nb.runs:list_cli', 'every run under a folder: method, model, problems, complete, pass@1, wall time', None),
+    'runs watch': ('tmas_nb.progress:watch_cli', "a running run's progress from its status.json, until it completes",
+                   'Print the calls done of those planned per role, tokens/s, outputs cut by the token limit and the time left, '
+                   'every few seconds, until the run is complete.'),
     'report': ('tmas_nb.reporting:report_cli', 'regenerate a report notebook (papermill) into an output folder',
                'Run reports/NAME.ipynb (or all of them) with papermill; outputs go to OUT/NAME/.'),
     'rl data': ('tmas_nb.rl:data_cli', 'training rows (Parquet) from finished TMAS runs, or the toy task',
