@@ -7,14 +7,15 @@ from __future__ import annotations
 import math, time
 from dataclasses import dataclass, field, asdict
 
-from .llm.engines import (CPU_ENGINES, ENGINE_NAMES, choose_engine, default_threads, engine_llm, measure_throughput,
+from .llm.core import Request, run_sync
+from .llm.engines import (CPU_ENGINES, ENGINE_NAMES, SOLVE_PROMPT, choose_engine, default_threads, engine_llm, measure_throughput,
                                  read_calibration, run_width, throughput_at)
 from .llm.models import default_device
 
 # %% auto #0
-__all__ = ['TOKEN_SHARE', 'README_SPEEDS', 'iteration_phases', 'n_iterations', 'planned_calls', 'expected_tokens', 'quick_speed',
-           'RunEstimate', 'phase_seconds', 'speed_of', 'estimate_run', 'fmt_seconds', 'estimate_lines',
-           'calibration_hint']
+__all__ = ['TOKEN_SHARE', 'PROMPT_BASE', 'README_SPEEDS', 'PREFILL_RATIO', 'iteration_phases', 'n_iterations', 'planned_calls',
+           'expected_tokens', 'prompt_tokens', 'split_speeds', 'quick_speed', 'RunEstimate', 'phase_seconds',
+           'speed_of', 'estimate_run', 'fmt_seconds', 'estimate_lines', 'calibration_hint']
 
 # %% ../nbs/24d_estimates.ipynb #d688af1c
 def iteration_phases(method: str, config, iteration: int) -> list[tuple[str, int, int, bool]]:
@@ -61,24 +62,49 @@ def expected_tokens(role: str, max_new_tokens: int) -> float:
     if max_new_tokens > 1024: share *= math.sqrt(1024 / max_new_tokens)
     return share * max_new_tokens
 
+# %% ../nbs/24d_estimates.ipynb #34f806db
+PROMPT_BASE = {'solution': 100, 'verification': 230, 'summary': 260, 'experience': 420, 'guideline': 420, 'distillation': 320,
+               'refine': 260}
+"Prompt tokens of each role's template with a demo problem, before what it reads (packaged model's tokenizer)."
+
+def prompt_tokens(role: str, config) -> float:
+    "Expected prompt tokens of one call of `role` under `config`."
+    s = config.sampling()
+    solution = expected_tokens('solution', s.for_role('solution').max_new_tokens)
+    reads = {'verification': solution, 'summary': solution, 'refine': solution, 'distillation': solution,
+             'experience': int(config.n_candidates) * expected_tokens('summary', s.for_role('summary').max_new_tokens)}
+    reads['guideline'] = reads['experience']
+    return PROMPT_BASE.get(role, 250) + reads.get(role, 0.0)
+
 # %% ../nbs/24d_estimates.ipynb #0246f9a0
 README_SPEEDS = {'transformers': {1: 6.0, 8: 22.4, 64: 39.5}, 'transformers-int8': {1: 19.9, 8: 110.6, 64: 110.7},
                  'llama.cpp': {1: 21.6, 8: 21.5, 64: 14.9}}
 "Tokens/s of the packaged model per engine at 1, 8 and 64 in flight, one thread, idle two-core CPU (README, reports/cpu_engines.ipynb)."
 
+# %% ../nbs/24d_estimates.ipynb #0299f263
+PREFILL_RATIO = 10.0
+"Prompt tokens read per second over tokens written per second at one in flight, where prefill was not measured."
+
+def split_speeds(table: dict) -> tuple[dict, float]:
+    "({width: decoding tokens/s}, prompt tokens/s) of a speed table; prefill from `PREFILL_RATIO` when the table has none."
+    widths = {int(w): float(v) for w, v in table.items() if w != 'prefill'}
+    return widths, float(table.get('prefill') or PREFILL_RATIO * widths[min(widths)])
+
 # %% ../nbs/24d_estimates.ipynb #ac86d0bb
 def quick_speed(model: str = 'default', engine: str = 'transformers', threads: int | None = None,
                 max_new_tokens: int = 8) -> tuple[dict, float]:
-    "({width: tokens/s}: one request timed here, the other widths by the README's ratios for `engine`; seconds to load the model)."
+    "({width: tokens/s, 'prefill': prompt tokens/s}: one request timed here, the other widths by the README's ratios; seconds to load)."
     t0 = time.perf_counter()
     llm = engine_llm(engine, model, threads)
     try:
         measure_throughput(llm, (1,), 2, singles=1)   # loads the weights
         load = time.perf_counter() - t0
         one = measure_throughput(llm, (1,), max_new_tokens, singles=1)[1]
+        long = Request.from_prompt(SOLVE_PROMPT * 6, role='solution', max_new_tokens=1, seed=1)
+        t1 = time.perf_counter(); [[c]] = run_sync(llm.generate([long])); prefill = c.prompt_tokens / (time.perf_counter() - t1)
     finally: llm.close()
     ref = README_SPEEDS[engine]
-    return {w: round(one * v / ref[1], 2) for w, v in ref.items()}, round(load, 2)
+    return {**{w: round(one * v / ref[1], 2) for w, v in ref.items()}, 'prefill': round(prefill, 1)}, round(load, 2)
 
 # %% ../nbs/24d_estimates.ipynb #4a29011d
 @dataclass
@@ -96,15 +122,15 @@ class RunEstimate:
     def to_dict(self) -> dict: return asdict(self)
 
 # %% ../nbs/24d_estimates.ipynb #ec9f98a4
-def phase_seconds(method: str, config, n_problems: int, concurrency: int, speed) -> float:
-    "Seconds of decoding `method` on `n_problems` with `concurrency` problems at a time, `speed(width)` tokens/s at `width` in flight."
+def phase_seconds(method: str, config, n_problems: int, concurrency: int, speed, prefill: float) -> float:
+    "Seconds of `method` on `n_problems` with `concurrency` problems at a time: `speed(width)` tokens/s decoding at `width` in flight, `prefill` prompt tokens/s."
     total, s = 0.0, config.sampling()
     rounds = [min(concurrency, n_problems - i) for i in range(0, n_problems, max(1, concurrency))]
     for it in range(n_iterations(method, config)):
         for role, calls, samples, _ in iteration_phases(method, config, it):
             if not samples: continue
             tokens = expected_tokens(role, s.for_role(role).max_new_tokens)
-            total += sum(p * samples * tokens / speed(p * samples) for p in rounds)
+            total += sum(p * samples * tokens / speed(p * samples) + p * calls * prompt_tokens(role, config) / prefill for p in rounds)
     return total
 
 # %% ../nbs/24d_estimates.ipynb #ed6ef5fd
@@ -138,7 +164,8 @@ def estimate_run(method: str, config, n_problems: int, concurrency: int = 4, mod
     table, est.speed_source, est.load_s = speed_of(model, est.engine, threads, measure and default_device() == 'cpu')
     if table is None: return est
     est.tokens_per_s = table
-    est.wall_s = round(est.load_s + phase_seconds(method, config, n_problems, concurrency, lambda w: throughput_at(table, w)), 1)
+    widths, prefill = split_speeds(table)
+    est.wall_s = round(est.load_s + phase_seconds(method, config, n_problems, concurrency, lambda w: throughput_at(widths, w), prefill), 1)
     return est
 
 # %% ../nbs/24d_estimates.ipynb #12c72a63
@@ -156,8 +183,9 @@ def estimate_lines(e: RunEstimate) -> list[str]:
         out.append(f"  {role:<13} {d['calls']:>5} calls{extra}, {d['samples']:>5} samples of at most {d['max_new_tokens']} tokens")
     mx, ex = sum(d['tokens_max'] for d in e.roles.values()), sum(d['tokens_expected'] for d in e.roles.values())
     out.append(f"  completion tokens: at most {mx:,}, expected about {ex:,}")
-    speed = ', '.join(f"{v:.1f} at {w}" for w, v in sorted(e.tokens_per_s.items()))
-    out.append(f"  wall time: about {fmt_seconds(e.wall_s)}" + (f" on {ENGINE_NAMES.get(e.engine, e.engine)} ({speed} tokens/s in flight, from {e.speed_source})" if speed else f" ({e.speed_source})"))
+    widths, prefill = split_speeds(e.tokens_per_s) if e.tokens_per_s else ({}, 0.0)
+    speed = ', '.join(f"{v:.1f} at {w}" for w, v in sorted(widths.items())) + (f" in flight, prompts {prefill:.0f}" if widths else '')
+    out.append(f"  wall time: about {fmt_seconds(e.wall_s)}" + (f" on {ENGINE_NAMES.get(e.engine, e.engine)} ({speed} tokens/s, from {e.speed_source})" if speed else f" ({e.speed_source})"))
     if e.engine_reason: out.append(f"  engine: {ENGINE_NAMES.get(e.engine, e.engine)}, as --backend auto chooses: {e.engine_reason}")
     return out
 
@@ -165,9 +193,9 @@ def estimate_lines(e: RunEstimate) -> list[str]:
 def calibration_hint(method: str, config, n_problems: int, concurrency: int, e: RunEstimate) -> str | None:
     "One line: how much faster the run would be after `tmas engines calibrate`; None when a calibration exists or it would not help."
     if e.engine != 'transformers' or 'not measured' not in e.engine_reason or not e.wall_s: return None
-    ref, here = README_SPEEDS['transformers'], e.tokens_per_s
+    ref, (here, prefill) = README_SPEEDS['transformers'], split_speeds(e.tokens_per_s)
     fast = {w: here.get(w, ref[w]) * README_SPEEDS['transformers-int8'][w] / ref[w] for w in ref}
-    t = e.load_s + phase_seconds(method, config, n_problems, concurrency, lambda w: throughput_at(fast, w))
+    t = e.load_s + phase_seconds(method, config, n_problems, concurrency, lambda w: throughput_at(fast, w), prefill)
     if t >= 0.9 * e.wall_s: return None
     return (f"hint: no engine calibration on this machine, so this run uses float32 (about {fmt_seconds(e.wall_s)}); after "
             f"`tmas engines calibrate` (under 3 min on 2 cores) it would take about {fmt_seconds(t)} on int8 "
