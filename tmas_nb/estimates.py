@@ -195,7 +195,8 @@ def calibration_hint(method: str, config, n_problems: int, concurrency: int, e: 
     if e.engine != 'transformers' or 'not measured' not in e.engine_reason or not e.wall_s: return None
     ref, (here, prefill) = README_SPEEDS['transformers'], split_speeds(e.tokens_per_s)
     fast = {w: here.get(w, ref[w]) * README_SPEEDS['transformers-int8'][w] / ref[w] for w in ref}
-    t = e.load_s + phase_seconds(method, config, n_problems, concurrency, lambda w: throughput_at(fast, w), prefill)
+    gain = README_SPEEDS['transformers-int8'][1] / ref[1]   # prompts are read faster on int8 too
+    t = e.load_s + phase_seconds(method, config, n_problems, concurrency, lambda w: throughput_at(fast, w), prefill * gain)
     if t >= 0.9 * e.wall_s: return None
     return (f"hint: no engine calibration on this machine, so this run uses float32 (about {fmt_seconds(e.wall_s)}); after "
             f"`tmas engines calibrate` (under 3 min on 2 cores) it would take about {fmt_seconds(t)} on int8 "
