@@ -4,7 +4,7 @@
 
 # %% ../nbs/24e_progress.ipynb #26375ffe
 from __future__ import annotations
-import time
+import asyncio, contextlib, time
 from pathlib import Path
 
 from fastcore.basics import patch
@@ -85,6 +85,19 @@ def flush(self:RunProgress, complete: bool = False) -> dict:
         wall = self.status.get('wall_before', 0.0) + s['elapsed_s']
         write_status(self.run_dir, complete, wall, **{k: v for k, v in self.status.items() if k != 'wall_before'}, progress=s)
     return s
+
+# %% ../nbs/24e_progress.ipynb #762b57f4
+@patch
+@contextlib.asynccontextmanager
+async def ticking(self:RunProgress):
+    "While open, `flush` every `every_s` seconds (the elapsed time, speed and time left move even while one call runs)."
+    async def tick():
+        while True:
+            await asyncio.sleep(self.every_s)
+            self.flush()
+    task = asyncio.ensure_future(tick())
+    try: yield self
+    finally: task.cancel()
 
 # %% ../nbs/24e_progress.ipynb #ee6e532c
 def watch_lines(status: dict) -> list[str]:

@@ -193,7 +193,8 @@ async def _run_in_folder(m, problems, run_dir: Path, llm, where: tuple, opts: Ru
                          'wall_before': before.get('wall_s', 0.0), **({'estimate': est.to_dict()} if est else {})})
     try:
         prog.flush()
-        await run_method(m, problems, prog, run_dir=run_dir, concurrency=opts.concurrency, progress=False)   # RunProgress shows progress per call
+        async with prog.ticking():   # RunProgress shows progress per call
+            await run_method(m, problems, prog, run_dir=run_dir, concurrency=opts.concurrency, progress=False)
         stats = {'hits': cached.hits, 'misses': cached.misses,
                  'model_loaded': getattr(getattr(cached, 'backend', None), 'loaded', True)}
     finally:
