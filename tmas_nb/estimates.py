@@ -8,7 +8,7 @@ import math, time
 from dataclasses import dataclass, field, asdict
 
 from .llm.core import Request, run_sync
-from .llm.engines import (CPU_ENGINES, ENGINE_NAMES, SOLVE_PROMPT, choose_engine, default_threads, engine_llm, measure_throughput,
+from .llm.engines import (CPU_ENGINES, ENGINE_NAMES, SOLVE_PROMPT, choose_engine, default_threads, engine_llm,
                                  read_calibration, run_width, throughput_at)
 from .llm.models import default_device
 
@@ -96,12 +96,16 @@ def quick_speed(model: str = 'default', engine: str = 'transformers', threads: i
     "({width: tokens/s, 'prefill': prompt tokens/s}: one request timed here, the other widths by the README's ratios; seconds to load)."
     t0 = time.perf_counter()
     llm = engine_llm(engine, model, threads)
+    def timed(prompt, tokens):
+        t = time.perf_counter(); [[c]] = run_sync(llm.generate([Request.from_prompt(prompt, role='solution', max_new_tokens=tokens, seed=1)]))
+        return c, time.perf_counter() - t
     try:
-        measure_throughput(llm, (1,), 2, singles=1)   # loads the weights
+        timed(SOLVE_PROMPT, 2)   # loads the weights
         load = time.perf_counter() - t0
-        one = measure_throughput(llm, (1,), max_new_tokens, singles=1)[1]
-        long = Request.from_prompt(SOLVE_PROMPT * 6, role='solution', max_new_tokens=1, seed=1)
-        t1 = time.perf_counter(); [[c]] = run_sync(llm.generate([long])); prefill = c.prompt_tokens / (time.perf_counter() - t1)
+        c, dt = timed(SOLVE_PROMPT * 6, 1)
+        prefill = c.prompt_tokens / dt
+        c, dt = timed(SOLVE_PROMPT, max_new_tokens)
+        one = c.completion_tokens / max(dt - c.prompt_tokens / prefill, 0.2 * dt)   # the prompt's share of the time is not decoding
     finally: llm.close()
     ref = README_SPEEDS[engine]
     return {**{w: round(one * v / ref[1], 2) for w, v in ref.items()}, 'prefill': round(prefill, 1)}, round(load, 2)
