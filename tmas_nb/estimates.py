@@ -54,7 +54,7 @@ def planned_calls(method: str, config, n_problems: int) -> dict[str, dict]:
 # %% ../nbs/24d_estimates.ipynb #fe97e277
 TOKEN_SHARE = {'solution': 0.95, 'verification': 0.9, 'summary': 0.6, 'experience': 0.8, 'guideline': 0.8,
                'distillation': 0.8, 'refine': 0.95}
-"Share of `max_new_tokens` an answer of each role uses on average (packaged model, cpu-demo sizes)."
+"Share of `max_new_tokens` an answer of each role uses on average (set from the first runs of the packaged model)."
 
 def expected_tokens(role: str, max_new_tokens: int) -> float:
     "Expected completion tokens of one sample of `role` with `max_new_tokens`: the role's share, falling as the limit grows past 1,024."
