@@ -137,7 +137,8 @@ FLAGS = {
     '--num-generations': ('G', {'rl train'}), '--max-completion-length': ('tokens per rollout', {'rl train'}),
     '--save-steps': ('checkpoint interval', {'rl train'}), '--learning-rate': ('learning rate', {'rl train'}),
     '--objectives': ("the toy task's objectives", {'rl train'}), '--novelty': ("how a rollout's novelty is read", {'rl train'}),
-    '--problems-per-step': ('groups per optimiser step', {'rl train'}), '--dry-run': ('print the settings, train nothing', {'rl train'}),
+    '--problems-per-step': ('groups per optimiser step', {'rl train'}), '--dry-run': ('print what the command would do (rl train: the settings; run: the calls, tokens, wall time and engine), do nothing', {'rl train', 'run'}),
+    '--every': ('seconds between two prints', {'runs watch'}), '--once': ('print once and exit', {'runs watch'}),
     '--mix': ('proportions of the objectives', {'rl data', 'rl teacher'}), '--format': ('file layout: tmas or verl', {'rl data', 'rl teacher'}),
 }
 

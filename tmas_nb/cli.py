@@ -51,9 +51,14 @@ COMMANDS = {   # command: (module:function that adds its flags, help, descriptio
     'run': ('tmas_nb.runs:run_cli', 'run TMAS, RSE or a baseline on a benchmark into a run folder (resumable)',
             'Run a method on a benchmark. Rerunning the same command on the same --out folder resumes it from its '
             'checkpoints and call cache.'),
-    'runs summary': ('tmas_nb.runs:summary_cli', 'pass@1 per iteration, tokens per role and completeness of a run',
+    'runs summary': ('tmas_nb.runs:summary_cli', 'pass@1 per iteration, tokens per role, wall time, engine, outputs cut and answers of a run',
                      'Print the summary of a run folder; with --json exactly one JSON object with the keys method, problems, '
-                     'iterations, tokens_by_role, tokens_by_endpoint, complete.'),
+                     'iterations, tokens_by_role, tokens_by_endpoint, complete, wall_s, engine, backend, truncated_by_role, '
+                     'warnings, answers.'),
+    'runs list': ('tmas_nb.runs:list_cli', 'every run under a folder: method, model, problems, complete, pass@1, wall time', None),
+    'runs watch': ('tmas_nb.progress:watch_cli', "a running run's progress from its status.json, until it completes",
+                   'Print the calls done of those planned per role, tokens/s, outputs cut by the token limit and the time left, '
+                   'every few seconds, until the run is complete.'),
     'runs show': ('tmas_nb.run_show:show_cli', "what every agent said: problems × iterations, or one problem's iterations as a tree",
                   'Without --problem: a table of problems × iterations (correct / candidates, answers, Pass@1). With --problem: '
                   'that problem\'s iterations as a tree: each candidate (branch, finish reason, answer, verdict), the texts of '
@@ -62,7 +67,7 @@ COMMANDS = {   # command: (module:function that adds its flags, help, descriptio
     'runs export': ('tmas_nb.viewer:export_cli', 'write a run as one self-contained HTML viewer (candidates, reviews, banks, Pass@1)',
                     'Write the run viewer (every candidate with its reviews and summary, the banks with what each iteration added, '
                     'kept and dropped, Pass@1 by iteration) as one HTML file that needs no server or network. Open it at '
-                    '#problem=ID&iteration=K&candidate=C (K counts from 1).'),
+                    '#problem=ID&iteration=K&candidate=C (K counts from 0: It0 is the first iteration).'),
     'report': ('tmas_nb.reporting:report_cli', 'regenerate a report notebook (papermill) into an output folder',
                'Run reports/NAME.ipynb (or all of them) with papermill; outputs go to OUT/NAME/.'),
     'rl data': ('tmas_nb.rl:data_cli', 'training rows (Parquet) from finished TMAS runs, or the toy task',

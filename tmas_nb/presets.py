@@ -111,10 +111,10 @@ PROTOCOLS = {
 JUDGE_HINT = "grade as the paper: tmas judge RUN_DIR --judge URL_OR_MODEL --repeats 4"
 
 # %% ../nbs/24b_presets.ipynb #be0abdda
-CPU_DEMO = {
-    'tmas': dict(n_candidates=2, n_verifications=2, iterations=3, max_new_tokens=384, embedder='hashing'),
-    'rse': dict(n_candidates=4, iterations=3, max_new_tokens=384, embedder='hashing'),
-    '*': dict(n_candidates=4, iterations=2, max_new_tokens=384)}
+CPU_DEMO = {   # with --limit 2: minutes on an idle 2-core CPU (`tmas run --dry-run` estimates it; measured times in the README)
+    'tmas': dict(n_candidates=2, n_verifications=1, iterations=2, max_new_tokens=256, embedder='hashing'),
+    'rse': dict(n_candidates=2, iterations=2, max_new_tokens=256, embedder='hashing'),
+    '*': dict(n_candidates=2, iterations=2, max_new_tokens=256)}
 PRESETS = ('tmas-paper', 'rse-paper', 'paper', 'cpu-demo')
 OWN_PAPER = {'tmas': 'tmas-paper', 'rse': 'rse-paper'}
 

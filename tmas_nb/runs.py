@@ -11,6 +11,8 @@ from pathlib import Path
 from .core import atomic_write_json, folder_lock
 from .llm.roles import RoleRouter
 from .methods import DISTILL_CONTEXT, METHODS, MethodConfig, make_method, run_method
+from .estimates import RunEstimate, calibration_hint, estimate_lines, estimate_run, fmt_seconds, planned_calls
+from .progress import RunProgress
 from .presets import PAPER_TOKEN_BUDGET, PRESETS, PROTOCOLS, OWN_PAPER, JUDGE_HINT, preset_values
 from .settings import ModelSettings, OutputSettings, add_settings, read_json, resolve
 from .replay.live_run import LIVE_FLAG_FIELDS, ControllerMethod, controller_cli
@@ -21,10 +23,11 @@ from .run_folder import (
     pass_at_1_by_iteration, tmas_variant, run_label, best_candidates, Run, banks_frame, load_run)   # the run folder format and reader, importable from here as before
 
 # %% auto #0
-__all__ = ['METHOD_ROLES', 'ENDPOINT_ROLES', 'PRESET_HELP', 'record_server', 'resolve_auto_backend', 'check_run_files',
-           'RunOptions', 'sampling_by_role', 'run_record', 'start_run', 'model_context_length', 'cap_to_context',
-           'layer_settings', 'protocol_of', 'distiller_context', 'parse_role_endpoint', 'parse_role_endpoints',
-           'RunPlan', 'plan_run', 'summary_line', 'run_cli', 'summary_cli', 'config_from_args']
+__all__ = ['METHOD_ROLES', 'ENDPOINT_ROLES', 'CUT_WARNING', 'PRESET_HELP', 'record_server', 'resolve_auto_backend',
+           'check_run_files', 'RunOptions', 'sampling_by_role', 'run_record', 'start_run', 'model_context_length',
+           'cap_to_context', 'layer_settings', 'protocol_of', 'distiller_context', 'parse_role_endpoint',
+           'parse_role_endpoints', 'RunPlan', 'plan_run', 'summary_line', 'run_facts', 'facts_lines', 'run_cli',
+           'runs_table', 'effective_defaults', 'summary_cli', 'list_cli', 'config_from_args']
 
 # %% ../nbs/24_runs.ipynb #0be1d591
 def record_server(run_dir, llm) -> dict | None:
@@ -139,6 +142,29 @@ async def start_run(method: str, problems, config: MethodConfig | dict | None, r
         prepare_run_dir(run_dir, cfg)
         return await _run_in_folder(m, problems, run_dir, llm, (model, backend, base_url), opts, llm_kw)
 
+# %% ../nbs/24_runs.ipynb #c2252567
+def _log_estimate(m, n_problems: int, run_dir: Path, llm, where: tuple, opts: RunOptions) -> RunEstimate | None:
+    "The run's estimate, printed (with the calibration hint) when the run shows progress; None for a method without a call plan."
+    cfg = read_json(run_dir / 'config.json')
+    choice = cfg.get('engine_choice') or {}
+    engine = 'given' if llm is not None else choice.get('engine') or (
+        'transformers-int8' if cfg.get('quantize') == 'int8' else where[1])
+    threads = (choice.get('kwargs') or {}).get('num_threads') or (choice.get('kwargs') or {}).get('threads')
+    try: est = estimate_run(m.name, m.config, n_problems, opts.concurrency, where[0], engine, threads)
+    except ValueError: return None   # e.g. --method controller: its calls depend on the answers
+    est.engine_reason = choice.get('reason', '')
+    if opts.progress:
+        hint = calibration_hint(m.name, m.config, n_problems, opts.concurrency, est) if choice else None
+        print('\n'.join(estimate_lines(est) + ([hint] if hint else [])), file=sys.stderr, flush=True)
+    return est
+
+# %% ../nbs/24_runs.ipynb #fd45f32a
+def _run_progress(m, n_problems: int, run_dir: Path, llm, opts: RunOptions, status: dict) -> RunProgress:
+    "A `RunProgress` around `llm` counting against the planned calls of `m` (none planned for a method without a call plan)."
+    try: planned = planned_calls(m.name, m.config, n_problems)
+    except ValueError: planned = {}
+    return RunProgress(llm, planned, run_dir, bar=opts.progress, desc=f'{m.name} ({n_problems} problems)', status=status)
+
 # %% ../nbs/24_runs.ipynb #86e39451
 def _open_model(run_dir: Path, llm, where: tuple, llm_kw: dict):
     "The run's model wrapped in its call cache: `llm` when given, else `where` = (model, backend, base_url) loaded; with per-role endpoints (config.json's `role_endpoints`), a `RoleRouter` over it."
@@ -161,21 +187,26 @@ async def _run_in_folder(m, problems, run_dir: Path, llm, where: tuple, opts: Ru
     from tmas_nb.llm.core import engine_stats
     before = read_status(run_dir)
     t0 = time.perf_counter()
+    est = _log_estimate(m, len(problems), run_dir, llm, where, opts)
     cached = _open_model(run_dir, llm, where, llm_kw)
+    prog = _run_progress(m, len(problems), run_dir, cached, opts, {'invocations': before.get('invocations', 0) + 1,
+                         'wall_before': before.get('wall_s', 0.0), **({'estimate': est.to_dict()} if est else {})})
     try:
-        write_status(run_dir, False, before.get('wall_s', 0.0), invocations=before.get('invocations', 0) + 1)
-        await run_method(m, problems, cached, run_dir=run_dir, concurrency=opts.concurrency, progress=opts.progress)
+        prog.flush()
+        async with prog.ticking():   # RunProgress shows progress per call
+            await run_method(m, problems, prog, run_dir=run_dir, concurrency=opts.concurrency, progress=False)
         stats = {'hits': cached.hits, 'misses': cached.misses,
                  'model_loaded': getattr(getattr(cached, 'backend', None), 'loaded', True)}
     finally:
         wall = before.get('wall_s', 0.0) + time.perf_counter() - t0
         engines = engine_stats(cached)   # engines used and any fallback between them
+        prog.close()
         record_server(run_dir, cached)
         if llm is None or isinstance(cached.backend, RoleRouter): cached.close()
         else: cached.store.close()
     finish_run(run_dir, stats)
     write_status(run_dir, True, wall, invocations=before.get('invocations', 0) + 1, last_invocation_cache=stats,
-                 last_invocation_engines=engines)
+                 last_invocation_engines=engines, progress=prog.snapshot(), **({'estimate': est.to_dict()} if est else {}))
     return load_run(run_dir)
 
 # %% ../nbs/24_runs.ipynb #166c5c1a
@@ -347,6 +378,15 @@ def plan_run(args) -> RunPlan:
     elif args.requests_in_flight is not None: raise ValueError("--requests-in-flight applies to --backend openai only")
     return RunPlan(args.method, config, opts, list(problems), ms, kw)
 
+# %% ../nbs/24_runs.ipynb #5266287b
+def _dry_run(plan: RunPlan) -> int:
+    "`tmas run --dry-run`: print the estimate of `plan` (and the calibration hint) without running it."
+    ms, n = plan.model, len(plan.problems)
+    est = estimate_run(plan.method, plan.config, n, plan.options.concurrency, ms.model, ms.backend, ms.threads, measure=True)
+    hint = calibration_hint(plan.method, plan.config, n, plan.options.concurrency, est) if ms.backend == 'auto' else None
+    print('\n'.join(estimate_lines(est) + ([hint] if hint else [])))
+    return 0
+
 # %% ../nbs/24_runs.ipynb #bc3904a2
 def summary_line(s: dict, run) -> str:
     "The line `tmas run` ends with: Pass@1 by iteration, which grading produced it, and the call cache's work."
@@ -367,6 +407,7 @@ def _cmd_run(args) -> int:
     if args.print_config:
         print(json.dumps(plan.record(), indent=1))
         return 0
+    if args.dry_run: return _dry_run(plan)
     if not args.out: raise ValueError("tmas run: --out is required (the run folder), unless --print-config")
     ms = plan.model
     run = run_sync(start_run(plan.method, plan.problems, plan.config, args.out, model=ms.model, backend=ms.backend,
@@ -374,20 +415,64 @@ def _cmd_run(args) -> int:
     print(summary_line(run.summary(), run), file=sys.stderr)
     return 0
 
+# %% ../nbs/24_runs.ipynb #9f954e87
+CUT_WARNING = 0.2
+"Share of a role's outputs cut by the token limit above which `tmas runs summary` warns."
+
+def run_facts(run: Run) -> dict:
+    "Wall time, engine and backend, outputs cut per role (with warnings), and per problem the last iteration's answers."
+    cfg, by = run.config, run.usage.get('by_role', {})
+    choice = cfg.get('engine_choice') or {}
+    engine = choice.get('engine') or ('transformers-int8' if cfg.get('quantize') == 'int8' else cfg.get('backend'))
+    cut = {r: {'truncated': int(d['truncated_samples']), 'samples': int(d.get('samples', 0))} for r, d in by.items() if 'truncated_samples' in d}
+    rec = run.records
+    if not cut and len(rec):   # written before the counter: the candidates' own finish reasons
+        cut = {'solution': {'truncated': int((rec.finish_reason == 'length').sum()), 'samples': int(len(rec))}}
+    for d in cut.values(): d['share'] = round(d['truncated'] / d['samples'], 4) if d['samples'] else 0.0
+    limit = (cfg.get('config') or {}).get('max_new_tokens')
+    warnings = [f"warning: {d['share']:.0%} of the {r} outputs ({d['truncated']}/{d['samples']}) were cut by the token limit "
+                f"({limit}); a cut solution has no answer, so Pass@1 is low by construction: raise --max-new-tokens"
+                for r, d in cut.items() if d['share'] > CUT_WARNING]
+    answers = {}
+    if len(rec):
+        last = rec[rec.iteration == rec.groupby('problem_id').iteration.transform('max')]
+        for pid, g in last.groupby('problem_id', sort=False):
+            answers[str(pid)] = {'gold': g.gold.iloc[0], 'iteration': int(g.iteration.iloc[0]),
+                                 'answers': [{'answer': a, 'correct': bool(c), 'finish_reason': f}
+                                             for a, c, f in zip(g.answer, g.correct, g.finish_reason)]}
+    return {'wall_s': float(run.status.get('wall_s', 0.0)), 'engine': engine, 'backend': cfg.get('backend'),
+            'truncated_by_role': cut, 'warnings': warnings, 'answers': answers}
+
+# %% ../nbs/24_runs.ipynb #a0aec488
+def facts_lines(facts: dict) -> list[str]:
+    "The text of `run_facts` for `tmas runs summary`."
+    cut = facts['truncated_by_role']
+    out = ['cut by the token limit: ' + (', '.join(f"{r} {d['truncated']}/{d['samples']} ({d['share']:.0%})" for r, d in cut.items()) or 'no counts recorded')]
+    out += facts['warnings']
+    if facts['answers']: out.append('answers in the last iteration (+ correct, - wrong, cut: stopped by the token limit):')
+    for pid, a in facts['answers'].items():
+        shown = ', '.join(f"{x['answer'] if x['answer'] is not None else 'none'}{' (cut)' if x['finish_reason'] == 'length' else ''} "
+                          f"{'+' if x['correct'] else '-'}" for x in a['answers'])
+        out.append(f"  {pid} (gold {a['gold']}, iteration {a['iteration']}): {shown}")
+    return out
+
 # %% ../nbs/24_runs.ipynb #c3e95f1e
 def _cmd_summary(args) -> int:
     run = load_run(args.run_dir)
     s = run.summary()
+    facts = run_facts(run)
     if args.json:
-        print(json.dumps(s))
+        print(json.dumps({**s, **facts}))
         return 0
     running = f"  running (process {s['running_pid']})" if 'running_pid' in s else ''
     print(f"method {s['method']}  problems {s['problems']}  complete {s['complete']}{running}")
+    print(f"wall time {fmt_seconds(facts['wall_s'])}  engine {facts['engine']} (backend {facts['backend']})")
     print('iteration  pass@1  candidates')
     for i in s['iterations']: print(f"{i['iteration']:>9}  {i['pass_at_1']:.4f}  {i['candidates']:>10}")
     print('completion tokens: ' + ', '.join(f'{r} {n}' for r, n in s['tokens_by_role'].items()))
     for url, roles in s.get('tokens_by_endpoint', {}).items():
         print(f'  at {url}: ' + ', '.join(f'{r} {n}' for r, n in roles.items()))
+    print('\n'.join(facts_lines(facts)))
     return 0
 
 # %% ../nbs/24_runs.ipynb #376861c2
@@ -396,7 +481,7 @@ PRESET_HELP = ("tmas-paper: every method as in TMAS's comparison (TMAS N=8, M=8,
                "PaCoRe, RSE with 8 per round over 20 iterations); rse-paper: as in RSE's comparison (K=32, 1 + 3 rounds, "
                "tau 0.8 on MiniLM; MV@128; sampling over 1,024; Self-Refine and PaCoRe in the same frame; the sampling of the "
                "model's family, e.g. Qwen3-Thinking T=0.6, top-p 0.95, top-k 20, 38,912 tokens); paper: the method's own "
-               "paper; cpu-demo: TMAS N=2, M=2, T=3; RSE K=4, R=3; others N=4, T=2; 384 tokens and the hashing embedder. "
+               "paper; cpu-demo: minutes on a 2-core CPU with --limit 2 (TMAS N=2, M=1, T=2; RSE K=2, R=2; others N=2, T=2; 256 tokens, the hashing embedder). "
                "--config and flags override the preset; see tmas_nb.presets for the source of every number")
 
 def run_cli(p) -> None:
@@ -411,29 +496,76 @@ def run_cli(p) -> None:
     p.add_argument('--max-n-per-call', dest='max_n_per_call', type=int, default=None, help='most samples asked of a server in one call')
     p.add_argument('--requests-in-flight', dest='requests_in_flight', type=int, default=None,
                    help='most HTTP requests in flight to --base-url (default: --concurrency x candidates, at least 16)')
-    p.add_argument('--preset', default=None, choices=list(PRESETS), help=PRESET_HELP)
+    p.add_argument('--preset', default=None, choices=list(PRESETS), help=PRESET_HELP + ' (default: none, the defaults shown with each flag)')
     p.add_argument('--print-config', dest='print_config', action='store_true', help='print the resolved config.json and exit (no model is loaded)')
+    p.add_argument('--dry-run', dest='dry_run', action='store_true',
+                   help='print the calls and samples per role, the tokens, the estimated wall time and the engine, and exit (without a '
+                        'calibration it times the model for a few seconds)')
     p.add_argument('--problem-ids', dest='problem_ids', default=None, help='a file of problem ids, one per line (e.g. from `tmas data hard-subset`)')
-    p.add_argument('--limit', type=int, default=None, help='only the first K problems')
+    p.add_argument('--limit', type=int, default=None, help='only the first K problems (default: every problem)')
     _method_flags(p)
-    p.add_argument('--concurrency', type=int, default=4, help='problems run at the same time')
+    p.add_argument('--concurrency', type=int, default=4, help='problems run at the same time (default: 4)')
     p.add_argument('--config', default=None, help="JSON file of method settings (or a run's config.json); may hold role_endpoints")
     add_settings(p, OutputSettings, skip=('json',), title='output')
     controller_cli(p)
     p.set_defaults(func=_cmd_run)
 
+# %% ../nbs/24_runs.ipynb #f438f6c2
+def runs_table(folder) -> list[dict]:
+    "One row per run folder under `folder`: method, model, problems, complete, Pass@1 of the last iteration, wall seconds, path."
+    rows = []
+    for cfg in sorted(Path(folder).rglob('config.json')):
+        d = cfg.parent
+        try:
+            if 'method' not in read_json(cfg): continue
+            run = load_run(d)
+            s = run.summary()
+            last = s['iterations'][-1]['pass_at_1'] if s['iterations'] else None
+            rows.append({'method': run.method, 'model': run.config.get('model'), 'problems': s['problems'], 'complete': s['complete'],
+                         'pass_at_1_last': last, 'wall_s': float(run.status.get('wall_s', 0.0)), 'path': str(d)})
+        except (ValueError, OSError, KeyError) as e: rows.append({'path': str(d), 'error': ' '.join(str(e).split())[:160]})
+    return rows
+
+# %% ../nbs/24_runs.ipynb #e27d388e
+def _cmd_list(args) -> int:
+    rows = runs_table(args.folder)
+    if not rows: print(f"no run folders under {args.folder}"); return 0
+    print(f"{'method':<14} {'model':<22} {'problems':>8} {'complete':>8} {'pass@1':>7} {'wall':>9}  path")
+    for r in rows:
+        if 'error' in r: print(f"{'?':<14} {'':<22} {'':>8} {'':>8} {'':>7} {'':>9}  {r['path']}  (unreadable: {r['error']})"); continue
+        p1 = f"{r['pass_at_1_last']:.3f}" if r['pass_at_1_last'] is not None else '-'
+        print(f"{r['method']:<14} {str(r['model'])[:22]:<22} {r['problems']:>8} {str(r['complete']):>8} {p1:>7} {fmt_seconds(r['wall_s']):>9}  {r['path']}")
+    return 0
+
+# %% ../nbs/24_runs.ipynb #8e48adfb
+def effective_defaults(fld: str, model: str = 'default') -> str:
+    "' (default: 8; tmas-paper: mv 64, others 8; ...)': what `fld` resolves to without its flag, per method and preset."
+    names = [m for m in METHODS if m != 'controller' and fld in {f.name for f in dataclasses.fields(METHODS[m].config_class)}]
+    def group(values: dict) -> str:
+        by = {}
+        for m, v in values.items(): by.setdefault(repr(v) if isinstance(v, str) else str(v), []).append(m)
+        if len(by) == 1: return next(iter(by))
+        *rest, (last, _) = sorted(by.items(), key=lambda kv: len(kv[1]))   # the largest group is 'others'
+        return ', '.join(f"{'/'.join(ms)} {v}" for v, ms in rest) + f", others {last}"
+    base = {m: METHODS[m].config_class.__dataclass_fields__[fld].default for m in names}
+    parts = [f"default: {group(base)}"]
+    for preset in ('tmas-paper', 'rse-paper', 'cpu-demo'):
+        got = {m: preset_values(preset, m, model)[0].get(fld, base[m]) for m in names}
+        if got != base: parts.append(f"{preset}: {group(got)}")
+    return f" ({'; '.join(parts)})"
+
 # %% ../nbs/24_runs.ipynb #9428eea6
 def _method_flags(p) -> None:
     "The flags of `tmas run` that set the method's settings (each stores into the field of the same name)."
-    p.add_argument('--n-candidates', dest='n_candidates', type=int, default=None, help='N: candidates per iteration (K for rse)')
-    p.add_argument('--n-verifications', dest='n_verifications', type=int, default=None, help='M: reviews per candidate (tmas, verify-refine)')
-    p.add_argument('--iterations', type=int, default=None, help='T: iterations (R rounds for rse)')
-    p.add_argument('--epsilon', type=float, default=None, help='exploration probability (tmas)')
-    p.add_argument('--seed', type=int, default=None, help='run seed; every call seed derives from it')
-    p.add_argument('--max-new-tokens', dest='max_new_tokens', type=int, default=None, help='tokens per model answer')
-    p.add_argument('--temperature', type=float, default=None, help='sampling temperature (default 1.0)')
-    p.add_argument('--top-p', dest='top_p', type=float, default=None, help='nucleus sampling (default 0.95)')
-    p.add_argument('--top-k', dest='top_k', type=int, default=None, help='top-k sampling (default: off)')
+    p.add_argument('--n-candidates', dest='n_candidates', type=int, default=None, help='N: candidates per iteration (K for rse)' + effective_defaults('n_candidates'))
+    p.add_argument('--n-verifications', dest='n_verifications', type=int, default=None, help='M: reviews per candidate (tmas, verify-refine)' + effective_defaults('n_verifications'))
+    p.add_argument('--iterations', type=int, default=None, help='T: iterations (R rounds for rse)' + effective_defaults('iterations'))
+    p.add_argument('--epsilon', type=float, default=None, help='exploration probability (tmas)' + effective_defaults('epsilon'))
+    p.add_argument('--seed', type=int, default=None, help='run seed; every call seed derives from it' + effective_defaults('seed'))
+    p.add_argument('--max-new-tokens', dest='max_new_tokens', type=int, default=None, help='tokens per model answer' + effective_defaults('max_new_tokens'))
+    p.add_argument('--temperature', type=float, default=None, help='sampling temperature' + effective_defaults('temperature'))
+    p.add_argument('--top-p', dest='top_p', type=float, default=None, help='nucleus sampling' + effective_defaults('top_p'))
+    p.add_argument('--top-k', dest='top_k', type=int, default=None, help='top-k sampling (None: off)' + effective_defaults('top_k'))
     p.add_argument('--answer-from-truncated', dest='answer_from_truncated', action='store_true', default=None,
                    help='grade an output cut off by the token limit by its last finished \\boxed{} (default: it has no answer)')
 
@@ -442,6 +574,11 @@ def summary_cli(s) -> None:
     s.add_argument('run_dir', help='the run folder')
     s.add_argument('--json', action='store_true', help='print one JSON object')
     s.set_defaults(func=_cmd_summary)
+
+def list_cli(s) -> None:
+    "The flags of `tmas runs list`."
+    s.add_argument('folder', nargs='?', default='.', help='the folder to search for run folders (default: the current one)')
+    s.set_defaults(func=_cmd_list)
 
 # %% ../nbs/24_runs.ipynb #0b948363
 def config_from_args(method: str, args) -> MethodConfig:

@@ -168,7 +168,7 @@ class Completion:
 
 # %% ../../nbs/10_llm_core.ipynb #645df635
 _USAGE_FIELDS = ('calls', 'samples', 'prompt_tokens', 'completion_tokens',
-                 'cached_samples', 'cached_prompt_tokens', 'cached_completion_tokens')
+                 'cached_samples', 'cached_prompt_tokens', 'cached_completion_tokens', 'truncated_samples')
 
 class TokenUsage:
     "Thread-safe per-role counts of requests, samples and tokens."
@@ -181,6 +181,7 @@ class TokenUsage:
             d['calls'] += 1
             for c in completions:
                 d['samples'] += 1; d['prompt_tokens'] += c.prompt_tokens; d['completion_tokens'] += c.completion_tokens
+                d['truncated_samples'] += c.finish_reason == 'length'   # cut off by the token limit
                 if c.cached:
                     d['cached_samples'] += 1; d['cached_prompt_tokens'] += c.prompt_tokens
                     d['cached_completion_tokens'] += c.completion_tokens
