@@ -87,7 +87,8 @@ BUILD_FLAGS = [('--model', 'model', None, True, None), ('--benchmark', 'benchmar
               ('--probe-tokens', 'probe_tokens', 12, False, 'int'), ('--threads', 'threads', None, False, 'int'),
               ('--data-dir', 'data_dir', None, False, None), ('--base-url', 'base_url', None, False, None),
               ('--api-key', 'api_key', None, False, None), ('--tokenizer', 'tokenizer', None, False, None),
-              ('--requests-in-flight', 'requests_in_flight', 16, False, 'int'), ('--quiet', 'quiet', False, False, None)]
+              ('--requests-in-flight', 'requests_in_flight', 16, False, 'int'), ('--chunked', 'chunked', False, False, None),
+              ('--quiet', 'quiet', False, False, None)]
 
 
 def test_replay_build_flags_are_as_documented():

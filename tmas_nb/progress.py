@@ -4,7 +4,7 @@
 
 # %% ../nbs/24e_progress.ipynb #26375ffe
 from __future__ import annotations
-import asyncio, contextlib, time
+import asyncio, contextlib, sys, time
 from pathlib import Path
 
 from fastcore.basics import patch
@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 
 from .llm.core import LLM, Request, Completion
 from .estimates import expected_tokens, fmt_seconds
-from .run_folder import write_status
+from .run_folder import read_status, write_status
 
 # %% auto #0
 __all__ = ['RunProgress', 'watch_lines', 'watch', 'watch_cli']
@@ -116,8 +116,6 @@ def watch_lines(status: dict) -> list[str]:
 # %% ../nbs/24e_progress.ipynb #d8911254
 def watch(run_dir, every_s: float = 5.0, once: bool = False, out=None) -> dict:
     "Print `watch_lines` of `run_dir`'s status.json every `every_s` seconds until it says complete (or once); returns the last status."
-    import sys
-    from tmas_nb.run_folder import read_status
     out = out or sys.stdout
     while True:
         st = read_status(run_dir)
