@@ -188,11 +188,16 @@ def prune(self:ReplayEnv, i: int) -> None:
 
 # %% ../../nbs/02_replay_environment.ipynb #cdf4b826
 @patch
-def answer(self:ReplayEnv, a: str | None) -> bool:
-    "ANSWER: stop with answer `a`; returns whether it matches the gold answer exactly."
+def _stop(self:ReplayEnv, a: str | None) -> None:
+    "End the episode with answer `a` (once), logging the ANSWER step; grading is the caller's."
     if self.done: raise IllegalAction("ANSWER: the episode already answered")
     self.done, self.final_answer = True, a
     if self.record: self.trace.append(Step(Action.ANSWER, None, a, 0))
+
+@patch
+def answer(self:ReplayEnv, a: str | None) -> bool:
+    "ANSWER: stop with answer `a`; returns whether it matches the gold answer exactly."
+    self._stop(a)
     return a == self.store.gold_answers[self.question]
 
 # %% ../../nbs/02_replay_environment.ipynb #4721546e

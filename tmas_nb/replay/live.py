@@ -182,9 +182,7 @@ def read_whole_id(self:LiveEnv) -> int:
 @patch
 def answer(self:LiveEnv, a: str | None) -> None:
     "ANSWER: stop with answer `a` (graded by the caller: a live episode holds no gold answer)."
-    if self.done: raise IllegalAction("ANSWER: the episode already answered")
-    self.done, self.final_answer = True, a
-    if self.record: self.trace.append(Step(Action.ANSWER, None, a, 0))
+    self._stop(a)
 
 @patch(as_prop=True)
 def correct(self:LiveEnv): return None
