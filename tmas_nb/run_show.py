@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Sequence
 
 import pandas as pd
@@ -17,8 +18,8 @@ from .prompts import parse_verification_score
 from .run_folder import Run, load_run, pass_at_1_by_iteration
 
 # %% auto #0
-__all__ = ['CANDIDATE_ROLES', 'BANK_OF_ROLE', 'ROLES', 'shorten', 'bank_diff', 'tree_lines', 'RunView', 'run_header',
-           'problem_table', 'call_node', 'candidate_head', 'candidate_node', 'merge_lines', 'bank_nodes',
+__all__ = ['CANDIDATE_ROLES', 'BANK_OF_ROLE', 'ROLES', 'shorten', 'bank_diff', 'tree_lines', 'RunView', 'bank_file_events',
+           'run_header', 'problem_table', 'call_node', 'candidate_head', 'candidate_node', 'merge_lines', 'bank_nodes',
            'memory_nodes', 'distilled_node', 'rse_distillations', 'iteration_head', 'iteration_node', 'problem_tree',
            'show_run_text', 'show_cli']
 
@@ -78,15 +79,20 @@ def calls_of(self:RunView, problem_id: str, iteration: int, candidate: int | Non
     if role is not None: m &= c.role == role
     return c[m].sort_values(['sample', 'start'], kind='stable')
 
+# %% ../nbs/24f_run_show.ipynb #d35c1f2d
+def bank_file_events(path, iteration: int) -> list[dict] | None:
+    "The update events of round `iteration` in the bank file at `path`; None when there is no such file."
+    path = Path(path)
+    if not path.is_file(): return None
+    return [e for e in json.loads(path.read_text(encoding='utf-8')).get('events', []) if e.get('round') == iteration]
+
 # %% ../nbs/24f_run_show.ipynb #3c119e86
 @patch
 def bank_events(self:RunView, problem_id: str, iteration: int, bank: str) -> list[dict]:
     "The update events of `bank` at `iteration` (what was added, merged, removed or restored), from its file after that iteration; [] without one."
     cps = self.checkpoints(problem_id)
     rel = cps[iteration].get('bank_files', {}).get(bank) if iteration < len(cps) else None
-    path = self.run.run_dir / rel if rel else None
-    if path is None or not path.exists(): return []
-    return [e for e in json.loads(path.read_text(encoding='utf-8')).get('events', []) if e.get('round') == iteration]
+    return (bank_file_events(self.run.run_dir / rel, iteration) if rel else None) or []
 
 # %% ../nbs/24f_run_show.ipynb #fbf55be7
 @patch

@@ -16,7 +16,7 @@ from .core import atomic_write_text, json_ready
 from .data import load_benchmark
 from .methods import bank_path, read_checkpoints
 from .run_folder import Run, load_run, pass_at_1_by_iteration
-from .run_show import bank_diff
+from .run_show import bank_diff, bank_file_events
 
 # %% auto #0
 __all__ = ['SETTING_NAMES', 'VIEWER_JS_PARTS', 'call_view', 'call_groups', 'candidate_view', 'merges_of', 'memory_view',
@@ -79,11 +79,10 @@ def candidate_view(rec: dict, calls: list[dict] | None, max_chars: int | None = 
 # %% ../nbs/92_viewer.ipynb #2c57a73d
 def merges_of(run_dir, problem_id: str, bank: str, iteration: int) -> list[dict] | None:
     "What de-duplication merged (and the guideline bank restored) in `bank` at `iteration`, the same merge once with its count; None when the bank file is not there."
-    p = bank_path(run_dir, problem_id, bank, iteration)
-    if not p.is_file(): return None
+    events = bank_file_events(bank_path(run_dir, problem_id, bank, iteration), iteration)
+    if events is None: return None
     out: list[dict] = []
-    for ev in json.loads(p.read_text(encoding='utf-8')).get('events', []):
-        if ev.get('round') != iteration: continue
+    for ev in events:
         merged = ev.get('merged') or {}
         for lst, ms in (merged.items() if isinstance(merged, dict) else [('strategies', merged)]):
             out += [{'list': lst, 'text': m['text'], 'into': m['head'], 'reason': m['reason'], 'similarity': _number(m.get('similarity'))} for m in ms]
