@@ -3,6 +3,7 @@ run in the sandbox (never here), and two controllers stand side by side."""
 import builtins
 import textwrap
 
+import matplotlib as mpl
 import pytest
 from PIL import Image
 from matplotlib.text import Text
@@ -70,6 +71,7 @@ def test_the_picture_is_the_environments_episode(store, spec, question, seed):
 
 
 def test_cli_writes_a_png_of_the_expected_size_and_a_summary(data_root, store, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(mpl.rcParams, 'savefig.bbox', 'tight')   # a report's style in the same process must not crop it
     out = tmp_path / 'pics' / 'two.png'
     argv = ['replay', 'show', '--data-dir', str(data_root), '--model', MODEL, '--benchmark', BENCH, '--question', '0']
     assert main(argv + ['--controller', 'cmc:beta=0.5', '--controller', 'asc:max_samples=16,threshold=0.95', '--seed', '0',

@@ -74,17 +74,20 @@ def test_token_id_outside_the_vocabulary_fails_alone(server):
 
 
 class Batcher(LLM):
-    "Decodes the requests of 50 ms as one batch, which fails as a whole when any prompt is 'boom' (as a model's batch would)."
+    """Decodes its first `first` requests as one batch (then each batch as it comes), which fails as a whole when any
+    prompt is 'boom' (as a model's batch would). Counting, not a timer, closes the first batch: a loaded machine may take
+    longer than any fixed window to deliver four posts; 10 s is only the fallback."""
     model_id = 'batcher'
 
-    def __init__(self):
-        super().__init__(); self.batch, self.batches = None, []
+    def __init__(self, first=4):
+        super().__init__(); self.batch, self.batches, self.first = None, [], first
 
     async def _generate(self, requests):
         loop = asyncio.get_running_loop()
         if self.batch is None:
-            self.batch = []; loop.call_later(0.05, self._flush)
+            self.batch = []; self.timer = loop.call_later(10.0, self._flush)
         fut = loop.create_future(); self.batch.append((requests[0], fut))
+        if len(self.batch) >= (self.first if not self.batches else 1): self.timer.cancel(); self._flush()
         return [await fut]
 
     def _flush(self):

@@ -229,7 +229,8 @@ def vote_timeline(ep: Episode) -> pd.DataFrame:
 # %% ../../nbs/09_replay_show.ipynb #70fcfbab
 STYLE = {'font.size': 10, 'axes.titlesize': 10, 'axes.labelsize': 10, 'xtick.labelsize': 9, 'ytick.labelsize': 9,
          'legend.fontsize': 9, 'figure.titlesize': 12, 'axes.spines.top': False, 'axes.spines.right': False,
-         'axes.grid': False, 'savefig.dpi': 150, 'savefig.facecolor': 'white', 'figure.facecolor': 'white'}
+         'axes.grid': False, 'savefig.dpi': 150, 'savefig.facecolor': 'white', 'figure.facecolor': 'white',
+         'savefig.bbox': 'standard'}      # the whole figure, whatever style the caller's process set (a report's 'tight')
 COLORS = {'correct': '#1a9850', 'wrong': '#d73027', 'unreadable': '#8c8c8c'}
 OTHERS = ('#4575b4', '#8856a7', '#e08214', '#4d4d4d', '#35978f')     # the vote lines of answers neither gold nor chosen
 DPI = 150
@@ -330,7 +331,9 @@ def _legend_handles(episodes: list) -> list:
 class EpisodeFigure(Figure):
     "A matplotlib `Figure` that a notebook shows as a PNG at 150 dpi, with or without pyplot."
     def _repr_png_(self) -> bytes:
-        buf = io.BytesIO(); self.savefig(buf, format='png', dpi=DPI, facecolor='white'); return buf.getvalue()
+        buf = io.BytesIO()
+        with mpl.rc_context(STYLE): self.savefig(buf, format='png', dpi=DPI, facecolor='white')
+        return buf.getvalue()
 
 # %% ../../nbs/09_replay_show.ipynb #6d582ed3
 def draw_episodes(episodes: list[Episode]) -> EpisodeFigure:
@@ -372,7 +375,9 @@ def save_figure(fig: Figure, path) -> Path:
     "Write `fig` as a PNG at 150 dpi in 256 colours (a third of the size, the same to the eye; folders created); returns the path."
     path = Path(path)
     if path.suffix.lower() != '.png': raise ValueError(f"--png {str(path)!r}: the file name must end in .png")
-    buf = io.BytesIO(); fig.savefig(buf, format='png', dpi=DPI, facecolor='white'); buf.seek(0)
+    buf = io.BytesIO()
+    with mpl.rc_context(STYLE): fig.savefig(buf, format='png', dpi=DPI, facecolor='white')
+    buf.seek(0)
     out = io.BytesIO(); Image.open(buf).convert('RGB').quantize(256).save(out, format='PNG', optimize=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, out.getvalue())
