@@ -153,14 +153,43 @@ def test_rse_tables_report(recorded_runs, summaries, tmp_path):
     _png(d / 'rse_rounds.png')
 
 
-def test_compute_report(recorded_runs, summaries, tmp_path):
-    d = run_report('compute', tmp_path, dict(runs=[str(p) for p in recorded_runs.values()]), progress=False)
+@pytest.fixture(scope='session')
+def controller_runs(tmp_path_factory):
+    "Two live controller runs (SC@2 and CMC β=0.5 on SmolLM2-135M, 2 demo problems, B=2, T=8, L=16), recorded in parallel."
+    root = tmp_path_factory.mktemp('controller_runs')
+    env = {**os.environ, 'HF_HUB_OFFLINE': '1', 'OMP_NUM_THREADS': '1', 'TOKENIZERS_PARALLELISM': 'false'}
+    specs = {'sc': 'sc:k=2', 'cmc': 'cmc:beta=0.5'}
+    procs = {k: subprocess.Popen(_tmas_command() + ['run', '--method', 'controller', '--controller', spec, '--branches', '2',
+                                                   '--probe-every', '8', '--max-new-tokens', '16', '--benchmark', 'demo',
+                                                   '--limit', '2', '--model', 'smollm2', '--backend', 'transformers',
+                                                   '--threads', '1', '--quiet', '--out', str(root / k)],
+                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for k, spec in specs.items()}
+    for k, p in procs.items():
+        _, err = p.communicate(timeout=600)
+        assert p.returncode == 0, f"controller run {k} failed:\n{err[-3000:]}"
+    return {k: root / k for k in specs}
+
+
+def test_compute_report(recorded_runs, controller_runs, summaries, tmp_path):
+    runs = [str(p) for p in [*recorded_runs.values(), *controller_runs.values()]]
+    d = run_report('compute', tmp_path, dict(runs=runs), progress=False)
     c = pd.read_csv(d / 'compute.csv')
-    assert len(c) == 4 and _finite(c, ['tokens_per_problem', 'pass_at_1']) and (c.tokens_per_problem > 0).all()
+    assert len(c) == 6 and _finite(c, ['tokens_per_problem', 'pass_at_1']) and (c.tokens_per_problem > 0).all()
     assert c.pareto.any() and c.complete.all()
     per_run = pd.read_csv(d / 'compute_per_run.csv').set_index('label')
     tokens = sum(summaries['tmas']['tokens_by_role'].values())
     assert per_run.loc['tmas', 'completion_tokens'] == tokens
     # TMAS spends tokens on verification, summaries and memory updates too: more than its candidates alone
     assert per_run.loc['tmas', 'completion_tokens'] > per_run.loc['tmas', 'candidate_tokens']
+    # each live controller is a point of its own, charged the tokens the model decoded: branches + probes, as recorded
+    c = c.set_index('label')
+    for k, spec in (('sc', 'sc:k=2'), ('cmc', 'cmc:beta=0.5')):
+        rec = pd.read_parquet(controller_runs[k] / 'records.parquet')
+        use = json.loads((controller_runs[k] / 'usage.json').read_text())['by_role']
+        real = sum(json.loads(u)['tokens_generated'] + json.loads(u)['probe_tokens'] for u in rec.summary)
+        assert set(use) == {'branch', 'probe'} and per_run.loc[f'controller {spec}', 'completion_tokens'] == real
+        row = c.loc[f'controller {spec}']
+        assert row.method == 'controller' and row.tokens_per_problem == real / 2 and row.pass_at_1 == 100 * rec.correct.mean()
+    s = json.loads((d / 'summary.json').read_text())
+    assert {x['label'] for x in s['controllers']} == {'controller sc:k=2', 'controller cmc:beta=0.5'}
     _png(d / 'compute_pareto.png')

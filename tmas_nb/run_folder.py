@@ -296,6 +296,10 @@ def run_label(config: dict) -> str:
         arms += [f"{k}={c[k]}" for k in ('max_positive', 'max_negative') if c.get(k) is not None]
         arms += [f"noise={c['noise']:g}"] if c.get('noise') else []
         return ' '.join(['rse', *arms])
+    if m == 'controller' and c.get('controller'):       # each controller is its own point on the accuracy–tokens plane
+        spec = str(c['controller'])
+        name = spec if spec.startswith('discovery:') or not spec.endswith('.py') else Path(spec).name
+        return ' '.join(['controller', name, *([c['controller_class']] if c.get('controller_class') else [])])
     return m
 
 def best_candidates(records):
