@@ -13,6 +13,7 @@ from .agents import derive_seed
 from .grading import judge_messages, parse_verdict, answer_kind, clean_answer
 from .run_folder import judge_columns, pass_at_1_by_iteration, grading_label, load_run, write_judge_columns
 from .settings import deprecated_alias
+from .llm.loading import load_llm
 
 # %% auto #0
 __all__ = ['JUDGE_FILE', 'JUDGE_CACHE', 'SCOPES', 'needs_judge', 'judge_requests', 'judge_records', 'run_questions', 'judge_run',
@@ -99,7 +100,6 @@ def judge_run(run_dir, llm, judge: str, runs: int = 4, scope: str = 'all', seed:
 # %% ../nbs/25_judge.ipynb #7734c34a
 def load_judge(judge: str, cache, served_model: str | None = None, threads: int | None = None):
     "The judge `LLM` with a call cache at `cache`: an OpenAI-compatible server for an http(s) URL, else a transformers model."
-    from tmas_nb.llm.core import load_llm
     if judge.startswith(('http://', 'https://')): return load_llm(served_model, 'openai', cache=str(cache), base_url=judge)
     return load_llm(judge, 'transformers', cache=str(cache), lazy=True, **({'num_threads': threads} if threads else {}))
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .core import atomic_write_json, folder_lock
 from .llm.roles import RoleRouter
+from .llm.loading import load_llm
 from .methods import DISTILL_CONTEXT, METHODS, MethodConfig, make_method, run_method
 from .estimates import RunEstimate, calibration_hint, estimate_lines, estimate_run, fmt_seconds, planned_calls
 from .progress import RunProgress
@@ -169,7 +170,6 @@ def _run_progress(m, n_problems: int, run_dir: Path, llm, opts: RunOptions, stat
 def _open_model(run_dir: Path, llm, where: tuple, llm_kw: dict):
     "The run's model wrapped in its call cache: `llm` when given, else `where` = (model, backend, base_url) loaded; with per-role endpoints (config.json's `role_endpoints`), a `RoleRouter` over it."
     from tmas_nb.llm.cache import CachedLLM
-    from tmas_nb.llm.core import load_llm
     endpoints, given = read_json(run_dir / 'config.json').get('role_endpoints') or {}, llm is not None
     if not given:
         model, backend, base_url = where

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from fastcore.basics import patch
 
 from .core import LLM, Request, Completion
+from .loading import load_llm
 from ..settings import deprecated_alias
 
 # %% auto #0
@@ -596,7 +597,6 @@ def _close_within(llm: LLM, timeout: float) -> bool:
 # %% ../../nbs/15_llm_server.ipynb #20c918aa
 def _serve_command(args) -> int:
     import os
-    from tmas_nb.llm.core import load_llm
     api_key = args.api_key or os.environ.get('TMAS_API_KEY') or None
     check_exposure(args.host, api_key, args.allow_unauthenticated)
     if args.backend == 'llama.cpp':
