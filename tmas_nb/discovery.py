@@ -10,12 +10,14 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from tqdm.auto import tqdm
 
 from .core import atomic_write_json, atomic_write_text, folder_lock, json_ready
 from .settings import SandboxSettings, add_settings, resolve
 import tmas_nb
 from .sandbox import agent_sandbox, SandboxLimits
-from .llm.core import LLM, Request
+from .llm.cache import CachedLLM
+from .llm.core import LLM, Completion, Request
 from .llm.loading import load_llm
 from .replay.store import ReplayStore, load_store, load_store_file
 from .replay.evaluation import evaluate, table_controllers
@@ -398,7 +400,6 @@ class ScriptedLLM(LLM):
     def __init__(self, replies: list[str], fail_at: int | None = None):
         super().__init__(); self.replies, self.calls, self.fail_at = list(replies), 0, fail_at
     async def _generate(self, requests):
-        from tmas_nb.llm.core import Completion
         out = []
         for r in requests:
             if self.fail_at is not None and self.calls == self.fail_at: raise RuntimeError('simulated interruption')
@@ -696,7 +697,6 @@ def run_discovery(proposer: LLM | None, cfg: DiscoveryConfig, out, critic: LLM |
 # %% ../nbs/40_discovery.ipynb #0eea6280
 def _discover(ctx: RoundContext, heldout: list, progress: bool) -> dict:
     "The rounds `rounds.jsonl` lacks, then selection, the held-out pass and the summary (the folder's lock is held)."
-    from tqdm.auto import tqdm
     cfg, out = ctx.cfg, ctx.out
     ctx.rounds = _load_rounds(out)
     for r in ctx.rounds:
@@ -740,7 +740,6 @@ def history_files(folder) -> list[tuple[int, Path]]:
 
 def rescore_history(folder, cfg: DiscoveryConfig, out, data_dir=None, progress: bool = True) -> pd.DataFrame:
     "Every round of a finished history on the search (`cfg.train`) and held-out stores over `cfg.betas`; returns curves.csv."
-    from tqdm.auto import tqdm
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
     stores = {'search': [resolve_store(s, data_dir) for s in cfg.train], 'heldout': [resolve_store(s, data_dir) for s in cfg.heldout]}
     ctx = RoundContext(cfg, out, None, None, stores['search'], pd.DataFrame())
@@ -780,7 +779,6 @@ def config_from_args(args) -> DiscoveryConfig:
 
 # %% ../nbs/40_discovery.ipynb #11d22be7
 def _cmd_discover(args) -> int:
-    from tmas_nb.llm.cache import CachedLLM
     cfg, out = config_from_args(args), Path(args.out)
     if args.from_history:
         t = rescore_history(args.from_history, cfg, out, data_dir=args.data_dir, progress=not args.quiet)

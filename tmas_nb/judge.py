@@ -8,7 +8,11 @@ import asyncio, json, os, sys
 from pathlib import Path
 from typing import Sequence
 
+from tqdm.auto import tqdm
+
 from .core import atomic_write_json, folder_lock
+from .data import load_benchmark
+from .llm.core import Request, run_sync
 from .agents import derive_seed
 from .grading import judge_messages, parse_verdict, answer_kind, clean_answer
 from .run_folder import judge_columns, pass_at_1_by_iteration, grading_label, load_run, write_judge_columns
@@ -31,7 +35,6 @@ def needs_judge(gold: str, scope: str) -> bool:
 def judge_requests(records, questions: dict, runs: int, scope: str = 'all', seed: int = 0, temperature: float = 0.7,
                    max_new_tokens: int = 1024) -> list:
     "Per record: a judge `Request` (n = runs), or None when the record is graded without the judge."
-    from tmas_nb.llm.core import Request
     out = []
     for r in records.itertuples():
         if not needs_judge(r.gold, scope) or r.finish_reason == 'length' or not str(r.solution or '').strip():
@@ -51,7 +54,6 @@ async def judge_records(llm, records, questions: dict, runs: int = 4, scope: str
     todo = [i for i, q in enumerate(reqs) if q is not None]
     for i in todo: cols[i] = [False] * runs
     unparsed = 0
-    from tqdm.auto import tqdm
     with tqdm(total=len(todo), desc=f'judging ({runs} runs)', unit='candidate', disable=not progress) as bar:
         for s in range(0, len(todo), chunk):
             part = todo[s:s + chunk]
@@ -67,7 +69,6 @@ async def judge_records(llm, records, questions: dict, runs: int = 4, scope: str
 # %% ../nbs/25_judge.ipynb #f47fc965
 def run_questions(config: dict, benchmark: str | None = None) -> dict:
     "{problem id: question} of a run's benchmark (or of `benchmark` when given)."
-    from tmas_nb.data import load_benchmark
     name = benchmark or config.get('benchmark')
     try: problems = load_benchmark(name)
     except (ValueError, FileNotFoundError) as e:
@@ -83,7 +84,6 @@ def judge_run(run_dir, llm, judge: str, runs: int = 4, scope: str = 'all', seed:
         raise FileNotFoundError(f"{run_dir}: no records.parquet; finish the run first (rerun its `tmas run ... --out {run_dir}`)")
     run = load_run(run_dir)
     questions = run_questions(run.config, benchmark)
-    from tmas_nb.llm.core import run_sync
     verdicts, unparsed, judged = run_sync(judge_records(llm, run.records, questions, runs, scope, seed, temperature,
                                                         max_new_tokens, progress=progress))
     write_judge_columns(run_dir, verdicts)
