@@ -155,7 +155,7 @@ def test_count_solves_control_flow():
 
 def test_count_solves_with_a_real_small_model():
     "End to end with the packaged 135M model on the CPU: requests go out, samples are graded, counts come back."
-    from tmas_nb.llm.core import load_llm
+    from tmas_nb.llm.loading import load_llm
     ps = demo_problems()[:2]
     llm = load_llm('smollm2')
     try: c = asyncio.run(count_solves(llm, ps, samples=2, max_new_tokens=64, batch_size=2, progress=False))

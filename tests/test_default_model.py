@@ -7,7 +7,8 @@ import asyncio
 import pytest
 
 from tmas_nb.data import demo_problems
-from tmas_nb.llm.core import Request, load_llm
+from tmas_nb.llm.core import Request
+from tmas_nb.llm.loading import load_llm
 from tmas_nb.methods import TMASConfig
 from tmas_nb.runs import load_run, start_run
 

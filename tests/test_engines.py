@@ -9,7 +9,8 @@ import pytest
 
 import tmas_nb.llm.llamacpp as llamacpp
 from tmas_nb.data import demo_problems
-from tmas_nb.llm.core import Request, load_llm
+from tmas_nb.llm.core import Request
+from tmas_nb.llm.loading import load_llm
 from tmas_nb.llm.engines import (calibrate, calibration_path, choose_engine, machine_fingerprint, read_calibration,
                                  run_width)
 from tmas_nb.methods import BaselineConfig

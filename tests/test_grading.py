@@ -210,7 +210,7 @@ def test_judge_control_flow_and_pass_at_1():
 
 def test_judge_with_a_real_small_model():
     "The judge prompt through the packaged 135M model: one request with n=runs, one verdict (a bool) per run."
-    from tmas_nb.llm.core import load_llm
+    from tmas_nb.llm.loading import load_llm
     llm = load_llm('smollm2')
     replies, generate = [], llm._generate
 

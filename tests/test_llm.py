@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tmas_nb.llm import models
-from tmas_nb.llm.core import Request, Completion, split_reasoning, load_llm, run_sync, TokenUsage
+from tmas_nb.llm.core import Request, Completion, split_reasoning, run_sync, TokenUsage
+from tmas_nb.llm.loading import load_llm
 from tmas_nb.llm.cache import CachedLLM, CompletionStore, cache_key
 from tmas_nb.llm.transformers_backend import TransformersBackend, naive_generate, chat_prompt_ids
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tmas_nb.llm.core import Request, load_llm
+from tmas_nb.llm.core import Request
+from tmas_nb.llm.loading import load_llm
 from tmas_nb.llm.openai_backend import OpenAIBackend, LLMRequestError
 
 MODEL = 'smollm2'

@@ -23,10 +23,10 @@ GROUPS = {
 }
 
 COMMANDS = {   # command: (module:function that adds its flags, help, description)
-    'replay eval': ('tmas_nb.replay.evaluation:eval_cli', "evaluate one controller on one replay store (authors' protocol)",
+    'replay eval': ('tmas_nb.replay.commands:eval_cli', "evaluate one controller on one replay store (authors' protocol)",
                     'Evaluate one controller on one store. SPEC examples: sc:k=64, asc:max_samples=64,threshold=0.95, '
                     'esc:max_samples=64,window=8, pp:num_chains=64, cmc:beta=0.5'),
-    'replay grid': ('tmas_nb.replay.evaluation:grid_cli', 'run the standard controller grid on all stores',
+    'replay grid': ('tmas_nb.replay.commands:grid_cli', 'run the standard controller grid on all stores',
                     'ASC, ESC, SC, Parallel-Probe and CMC sweeps (34 configurations) on every model × benchmark store.'),
     'replay show': ('tmas_nb.replay.show:show_cli', 'one controller episode as a picture (branches × depth, the vote, where it stopped)',
                     'Draw one episode of a controller on one question and branch order: a row per opened branch with every '

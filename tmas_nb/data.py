@@ -8,7 +8,7 @@ import csv, json, os, random
 from dataclasses import dataclass, field, asdict
 from pathlib import Path
 
-from .core import data_dir as _data_dir, fetch_hint
+from .core import atomic_write_text, data_dir as _data_dir, fetch_hint
 from .grading import clean_answer
 
 # %% auto #0
@@ -226,7 +226,6 @@ SOLVE_PROMPT = "{question}\n\nSolve the problem step by step, then give the fina
 # %% ../nbs/17_data.ipynb #c3383959
 def write_problem_ids(path, ids, info: dict | None = None) -> Path:
     "Write a problem-id list (one id per line, `info` as `# key: value` comment lines first)."
-    from tmas_nb.core import atomic_write_text
     head = ''.join(f"# {k}: {json.dumps(v) if not isinstance(v, str) else v}\n" for k, v in (info or {}).items())
     return atomic_write_text(Path(path), head + ''.join(f"{i}\n" for i in ids))
 

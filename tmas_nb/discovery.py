@@ -10,16 +10,20 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from tqdm.auto import tqdm
 
 from .core import atomic_write_json, atomic_write_text, folder_lock, json_ready
 from .settings import SandboxSettings, add_settings, resolve
 import tmas_nb
 from .sandbox import agent_sandbox, SandboxLimits
-from .llm.core import LLM, Request
+from .llm.cache import CachedLLM
+from .llm.core import LLM, Completion, Request
+from .llm.loading import load_llm
 from .replay.store import ReplayStore, load_store, load_store_file
 from .replay.evaluation import evaluate, table_controllers
 from .replay.authors_api import store_records
 from .replay.files import check_controller_source, evaluate_file_configs
+from .replay.results import EvalResult
 from .discovery_history import (archive_round, monotone_violations, round_folder, round_traces, select_paper,
                                        store_label, store_parts, update_curves, worst_questions, write_results)
 
@@ -263,15 +267,16 @@ def store_digest(store: ReplayStore) -> str:
         except AttributeError: pass
     return d
 
-def cached_evaluation(cache: Path, code_path: Path, configs: list, store: ReplayStore, seeds: list, s: SandboxSettings, keep_logs: bool) -> list[dict]:
+def cached_evaluation(cache: Path, code_path: Path, configs: list, store: ReplayStore, seeds: list, s: SandboxSettings, keep_logs: bool) -> list[EvalResult]:
     "`evaluate_file_configs` through the run's cache."
     key = _sha(Path(code_path).read_bytes().decode('utf-8', 'replace'), CLASS_NAME, configs, store_digest(store), list(seeds), s.api, keep_logs)
     f = Path(cache) / f'{key}.json'
-    if f.exists(): return json.loads(f.read_text())
-    res = json.loads(json.dumps(json_ready(evaluate_file_configs(code_path, CLASS_NAME, configs, store, seeds, s, keep_logs=keep_logs))))
+    if f.exists(): return [EvalResult.from_dict(d) for d in json.loads(f.read_text())]
+    res = [r.to_dict() for r in evaluate_file_configs(code_path, CLASS_NAME, configs, store, seeds, s, keep_logs=keep_logs)]
+    res = json.loads(json.dumps(json_ready(res)))
     if not any(r.get('error') and 'timed out' in r['error'] for r in res):     # a timeout may be the machine's load: not cached
         f.parent.mkdir(parents=True, exist_ok=True); atomic_write_json(f, json_ready(res))
-    return res
+    return [EvalResult.from_dict(d) for d in res]
 
 
 # %% ../nbs/40_discovery.ipynb #4f8e151e
@@ -287,8 +292,8 @@ def evaluate_proposal(ctx, code_path: Path, stores: list, configs: list, keep_lo
     out = {}
     for st in stores:
         res = cached_evaluation(ctx.out / 'cache' / 'evals', code_path, configs, st, list(range(ctx.cfg.seeds)), ctx.cfg.sandbox, keep_logs)
-        rows = pd.DataFrame([dict(store=st.name, beta=_beta_of(c, i), config=json.dumps(c, sort_keys=True), acc=r['acc'],
-                                  avg_tokens=r['avg_tokens'], acc_std=r.get('acc_std'), error=r.get('error'))
+        rows = pd.DataFrame([dict(store=st.name, beta=_beta_of(c, i), config=json.dumps(c, sort_keys=True), acc=r.acc,
+                                  avg_tokens=r.avg_tokens, acc_std=r.acc_std, error=r.error)
                              for i, (c, r) in enumerate(zip(configs, res))])
         rows['error'] = rows.error.where(rows.error.notna(), None)
         out[st.name] = (rows, res)
@@ -395,7 +400,6 @@ class ScriptedLLM(LLM):
     def __init__(self, replies: list[str], fail_at: int | None = None):
         super().__init__(); self.replies, self.calls, self.fail_at = list(replies), 0, fail_at
     async def _generate(self, requests):
-        from tmas_nb.llm.core import Completion
         out = []
         for r in requests:
             if self.fail_at is not None and self.calls == self.fail_at: raise RuntimeError('simulated interruption')
@@ -460,9 +464,9 @@ def draft_results(ctx: RoundContext, code_path: Path, code: str) -> tuple[dict, 
     for st in ctx.train:
         r, res = ev[st.name]; rows[st.name] = r
         if not ctx.cfg.traces: continue
-        good = [x for x in res if not x.get('error')]
+        good = [x for x in res if not x.error]
         top = good[-1] if good else None
-        worst = worst_questions(top['per_question_acc'], _sc_per_question(ctx, st.name)) if top else []
+        worst = worst_questions(top.per_question_acc, _sc_per_question(ctx, st.name)) if top else []
         trs = round_traces(st, res, [_beta_of(c, i) for i, c in enumerate(configs)], worst)
         top_beta = _beta_of(configs[res.index(top)], res.index(top)) if top else None
         for t in trs: t['worst'] = t['beta'] == top_beta and t['question_id'] in worst
@@ -693,7 +697,6 @@ def run_discovery(proposer: LLM | None, cfg: DiscoveryConfig, out, critic: LLM |
 # %% ../nbs/40_discovery.ipynb #0eea6280
 def _discover(ctx: RoundContext, heldout: list, progress: bool) -> dict:
     "The rounds `rounds.jsonl` lacks, then selection, the held-out pass and the summary (the folder's lock is held)."
-    from tqdm.auto import tqdm
     cfg, out = ctx.cfg, ctx.out
     ctx.rounds = _load_rounds(out)
     for r in ctx.rounds:
@@ -737,7 +740,6 @@ def history_files(folder) -> list[tuple[int, Path]]:
 
 def rescore_history(folder, cfg: DiscoveryConfig, out, data_dir=None, progress: bool = True) -> pd.DataFrame:
     "Every round of a finished history on the search (`cfg.train`) and held-out stores over `cfg.betas`; returns curves.csv."
-    from tqdm.auto import tqdm
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
     stores = {'search': [resolve_store(s, data_dir) for s in cfg.train], 'heldout': [resolve_store(s, data_dir) for s in cfg.heldout]}
     ctx = RoundContext(cfg, out, None, None, stores['search'], pd.DataFrame())
@@ -753,7 +755,6 @@ def rescore_history(folder, cfg: DiscoveryConfig, out, data_dir=None, progress: 
 # %% ../nbs/40_discovery.ipynb #d2349709
 def make_llm(model_or_url: str, base_url: str | None = None, api_key: str | None = None, threads: int | None = None) -> LLM:
     "The proposer/critic model: a packaged or local transformers model, or an OpenAI-compatible server."
-    from tmas_nb.llm.core import load_llm
     if base_url or model_or_url.startswith(('http://', 'https://')):
         url = base_url or model_or_url
         model = None if model_or_url.startswith(('http://', 'https://')) else model_or_url
@@ -778,7 +779,6 @@ def config_from_args(args) -> DiscoveryConfig:
 
 # %% ../nbs/40_discovery.ipynb #11d22be7
 def _cmd_discover(args) -> int:
-    from tmas_nb.llm.cache import CachedLLM
     cfg, out = config_from_args(args), Path(args.out)
     if args.from_history:
         t = rescore_history(args.from_history, cfg, out, data_dir=args.data_dir, progress=not args.quiet)

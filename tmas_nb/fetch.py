@@ -8,6 +8,7 @@ import hashlib, json, os, random, shutil, sys, time
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import __version__
 from .core import FETCH_HINTS, check_data_folder, find_data_dir, sha256_file, user_data_dir
 from .settings import deprecated_alias
 
@@ -166,7 +167,6 @@ class Downloader:
     def client(self):
         "An HTTP client with this downloader's timeouts."
         import httpx
-        from tmas_nb import __version__
         return httpx.Client(timeout=httpx.Timeout(self.timeout, connect=min(self.timeout, 10.0)), follow_redirects=True,
                             headers={'User-Agent': f'tmas_nb/{__version__}'})
 

@@ -12,7 +12,8 @@ from tqdm.auto import tqdm
 from .core import atomic_write_json
 from .data import SOLVE_PROMPT, Problem, first_k, hard_subset, load_benchmark, pick_subset, write_problem_ids
 from .grading import grade_many
-from .llm.core import Request, load_llm, run_sync
+from .llm.core import Request, run_sync
+from .llm.loading import load_llm
 
 # %% auto #0
 __all__ = ['count_solves', 'build_hard_subset', 'hard_subset_cli']

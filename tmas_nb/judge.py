@@ -8,11 +8,16 @@ import asyncio, json, os, sys
 from pathlib import Path
 from typing import Sequence
 
+from tqdm.auto import tqdm
+
 from .core import atomic_write_json, folder_lock
+from .data import load_benchmark
+from .llm.core import Request, run_sync
 from .agents import derive_seed
 from .grading import judge_messages, parse_verdict, answer_kind, clean_answer
 from .run_folder import judge_columns, pass_at_1_by_iteration, grading_label, load_run, write_judge_columns
 from .settings import deprecated_alias
+from .llm.loading import load_llm
 
 # %% auto #0
 __all__ = ['JUDGE_FILE', 'JUDGE_CACHE', 'SCOPES', 'needs_judge', 'judge_requests', 'judge_records', 'run_questions', 'judge_run',
@@ -30,7 +35,6 @@ def needs_judge(gold: str, scope: str) -> bool:
 def judge_requests(records, questions: dict, runs: int, scope: str = 'all', seed: int = 0, temperature: float = 0.7,
                    max_new_tokens: int = 1024) -> list:
     "Per record: a judge `Request` (n = runs), or None when the record is graded without the judge."
-    from tmas_nb.llm.core import Request
     out = []
     for r in records.itertuples():
         if not needs_judge(r.gold, scope) or r.finish_reason == 'length' or not str(r.solution or '').strip():
@@ -50,7 +54,6 @@ async def judge_records(llm, records, questions: dict, runs: int = 4, scope: str
     todo = [i for i, q in enumerate(reqs) if q is not None]
     for i in todo: cols[i] = [False] * runs
     unparsed = 0
-    from tqdm.auto import tqdm
     with tqdm(total=len(todo), desc=f'judging ({runs} runs)', unit='candidate', disable=not progress) as bar:
         for s in range(0, len(todo), chunk):
             part = todo[s:s + chunk]
@@ -66,7 +69,6 @@ async def judge_records(llm, records, questions: dict, runs: int = 4, scope: str
 # %% ../nbs/25_judge.ipynb #f47fc965
 def run_questions(config: dict, benchmark: str | None = None) -> dict:
     "{problem id: question} of a run's benchmark (or of `benchmark` when given)."
-    from tmas_nb.data import load_benchmark
     name = benchmark or config.get('benchmark')
     try: problems = load_benchmark(name)
     except (ValueError, FileNotFoundError) as e:
@@ -82,7 +84,6 @@ def judge_run(run_dir, llm, judge: str, runs: int = 4, scope: str = 'all', seed:
         raise FileNotFoundError(f"{run_dir}: no records.parquet; finish the run first (rerun its `tmas run ... --out {run_dir}`)")
     run = load_run(run_dir)
     questions = run_questions(run.config, benchmark)
-    from tmas_nb.llm.core import run_sync
     verdicts, unparsed, judged = run_sync(judge_records(llm, run.records, questions, runs, scope, seed, temperature,
                                                         max_new_tokens, progress=progress))
     write_judge_columns(run_dir, verdicts)
@@ -99,7 +100,6 @@ def judge_run(run_dir, llm, judge: str, runs: int = 4, scope: str = 'all', seed:
 # %% ../nbs/25_judge.ipynb #7734c34a
 def load_judge(judge: str, cache, served_model: str | None = None, threads: int | None = None):
     "The judge `LLM` with a call cache at `cache`: an OpenAI-compatible server for an http(s) URL, else a transformers model."
-    from tmas_nb.llm.core import load_llm
     if judge.startswith(('http://', 'https://')): return load_llm(served_model, 'openai', cache=str(cache), base_url=judge)
     return load_llm(judge, 'transformers', cache=str(cache), lazy=True, **({'num_threads': threads} if threads else {}))
 

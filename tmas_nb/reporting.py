@@ -4,7 +4,7 @@
 
 # %% ../nbs/90_reporting.ipynb #cb9c65e8
 from __future__ import annotations
-import argparse, glob, json, math, os, sys, time
+import argparse, ast, glob, json, math, os, sys, time
 from pathlib import Path
 
 import matplotlib
@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 
+from .cli import UserError, error_message
 from .core import repo_root, find_data_dir, DATA_HINT
 
 # %% auto #0
@@ -95,7 +96,7 @@ REPORT_INPUTS = {  # report: (input, run methods it needs / the path parameter i
 
 def report_defaults(name: str) -> dict:
     "The literal values of report `name`'s `parameters` cell."
-    import ast, nbformat
+    import nbformat
     nb = nbformat.read(reports_dir() / f'{name}.ipynb', as_version=4)
     out = {}
     for c in nb.cells:
@@ -162,7 +163,6 @@ def _parse_params(items) -> dict:
     return out
 
 def _one_line(e: BaseException) -> str:
-    from tmas_nb.cli import error_message
     return error_message(e) or f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
 
 # %% ../nbs/90_reporting.ipynb #9bd35fd2
@@ -175,7 +175,6 @@ def _cmd_report(args) -> int:
         t = time.perf_counter()
         try: d = run_report(args.name, out, params, progress=not args.quiet)
         except Exception as e:
-            from tmas_nb.cli import error_message, UserError
             if type(e).__name__ == 'PapermillExecutionError' and (msg := error_message(e)):
                 raise UserError(f"report {args.name}: {msg} (see {out / args.name / (args.name + '.ipynb')})") from e
             raise

@@ -8,8 +8,17 @@ import argparse, dataclasses, json, os, sys, time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pyarrow as pa, pyarrow.parquet as pq
+
 from .core import atomic_write_json, folder_lock
+from .data import load_benchmark, first_k, read_problem_ids, select_problems
+from .llm.cache import CachedLLM, open_cache_db
+from .llm.core import engine_stats, run_sync
+from .llm.engines import choose_engine, run_width
+from .llm.models import resolve_model
+from .llm.openai_backend import OpenAIBackend
 from .llm.roles import RoleRouter
+from .llm.loading import load_llm
 from .methods import DISTILL_CONTEXT, METHODS, MethodConfig, make_method, run_method
 from .estimates import RunEstimate, calibration_hint, estimate_lines, estimate_run, fmt_seconds, planned_calls
 from .progress import RunProgress
@@ -32,7 +41,6 @@ __all__ = ['METHOD_ROLES', 'ENDPOINT_ROLES', 'CUT_WARNING', 'PRESET_HELP', 'reco
 # %% ../nbs/24_runs.ipynb #0be1d591
 def record_server(run_dir, llm) -> dict | None:
     "Note in `config.json` what the server behind `llm` answered with (model name, token-count source, `n` limit), and what each role's own endpoint answered with."
-    from tmas_nb.llm.openai_backend import OpenAIBackend
     inner = getattr(llm, 'backend', llm)
     path = Path(run_dir) / 'config.json'
     cfg = read_json(path)
@@ -51,7 +59,6 @@ def record_server(run_dir, llm) -> dict | None:
 # %% ../nbs/24_runs.ipynb #8645a74c
 def resolve_auto_backend(run_dir, model: str, config, concurrency: int, llm_kw: dict) -> tuple[str, dict, dict]:
     "(backend, engine_choice, backend keywords) for `--backend auto`: the run's recorded engine, else the measured faster one."
-    from tmas_nb.llm.engines import choose_engine, run_width
     threads = llm_kw.get('num_threads') or llm_kw.get('threads')
     rest = {k: v for k, v in llm_kw.items() if k not in ('num_threads', 'threads')}
     path = Path(run_dir) / 'config.json'
@@ -70,8 +77,6 @@ def resolve_auto_backend(run_dir, model: str, config, concurrency: int, llm_kw: 
 # %% ../nbs/24_runs.ipynb #c752392f
 def check_run_files(run_dir) -> None:
     "Before a run writes anything: its status, call cache and records, where present, can be read; else a one-line error saying what to do."
-    import pyarrow as pa, pyarrow.parquet as pq
-    from tmas_nb.llm.cache import open_cache_db
     run_dir = Path(run_dir)
     st, cache, rec = run_dir / 'status.json', run_dir / 'calls.sqlite', run_dir / 'records.parquet'
     if st.exists():
@@ -168,8 +173,6 @@ def _run_progress(m, n_problems: int, run_dir: Path, llm, opts: RunOptions, stat
 # %% ../nbs/24_runs.ipynb #86e39451
 def _open_model(run_dir: Path, llm, where: tuple, llm_kw: dict):
     "The run's model wrapped in its call cache: `llm` when given, else `where` = (model, backend, base_url) loaded; with per-role endpoints (config.json's `role_endpoints`), a `RoleRouter` over it."
-    from tmas_nb.llm.cache import CachedLLM
-    from tmas_nb.llm.core import load_llm
     endpoints, given = read_json(run_dir / 'config.json').get('role_endpoints') or {}, llm is not None
     if not given:
         model, backend, base_url = where
@@ -184,7 +187,6 @@ def _open_model(run_dir: Path, llm, where: tuple, llm_kw: dict):
 
 async def _run_in_folder(m, problems, run_dir: Path, llm, where: tuple, opts: RunOptions, llm_kw: dict) -> Run:
     "`start_run` once the folder is checked: open the model and its cache, mark the run incomplete, run, collect, mark it complete."
-    from tmas_nb.llm.core import engine_stats
     before = read_status(run_dir)
     t0 = time.perf_counter()
     est = _log_estimate(m, len(problems), run_dir, llm, where, opts)
@@ -214,7 +216,6 @@ def model_context_length(model: str, backend: str = 'transformers') -> int | Non
     "The context length (tokens) of a local or packaged model from its config.json; None when it cannot be read."
     if backend == 'openai': return None
     try:
-        from tmas_nb.llm.models import resolve_model
         d = read_json(Path(resolve_model(model)) / 'config.json')
     except (OSError, ValueError, ImportError): return None
     d = d.get('text_config', d)
@@ -362,7 +363,6 @@ class RunPlan:
 # %% ../nbs/24_runs.ipynb #9887dec6
 def plan_run(args) -> RunPlan:
     "The `RunPlan` of `tmas run`'s flags: settings layered, benchmark read and selected, backend keywords checked."
-    from tmas_nb.data import load_benchmark, first_k, read_problem_ids, select_problems
     ms = resolve(ModelSettings, args=args)
     flags = {f: getattr(args, f, None) for f in _FLAG_FIELDS}
     flags['role_endpoints'] = parse_role_endpoints(args.role_endpoint or [], '--role-endpoint')
@@ -400,7 +400,6 @@ def summary_line(s: dict, run) -> str:
             f"call cache this time: {cache.get('hits', 0)} hits, {cache.get('misses', 0)} misses")
 
 def _cmd_run(args) -> int:
-    from tmas_nb.llm.core import run_sync
     os.environ.setdefault('HF_HUB_OFFLINE', '1')
     plan = plan_run(args)
     for note in plan.options.record.get('preset_notes', []): print(note, file=sys.stderr)

@@ -4,10 +4,12 @@
 
 # %% ../nbs/00a_sandbox.ipynb #901b494c
 from __future__ import annotations
-import os, re, shutil, signal, subprocess, sys, time, uuid, warnings
+import os, platform, re, shutil, signal, struct, subprocess, sys, time, uuid, warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+
+import tmas_nb
 
 # %% auto #0
 __all__ = ['SANDBOX_UID', 'SYSTEM_PATHS', 'NETWORK_FILES', 'SandboxLimits', 'bwrap_binary', 'Cgroup', 'make_cgroup',
@@ -169,7 +171,6 @@ _BASE_ENV = {'PATH': '/usr/bin:/bin', 'LANG': 'C.UTF-8'}
 
 def python_paths() -> list[str]:
     "Folders the running Python and the installed tmas_nb package need, read-only, inside a sandbox."
-    import tmas_nb
     pkg = Path(tmas_nb.__file__).resolve().parent
     out = [sys.base_prefix, sys.prefix, str(Path(sys.executable).parent), str(Path(sys.executable).resolve().parent), str(pkg)]
     return list(dict.fromkeys(os.path.realpath(p) for p in out))
@@ -181,7 +182,6 @@ _ARCH = {'x86_64': (0xC000003E, (57, 58), 56, 435), 'aarch64': (0xC00000B7, (), 
 
 def fork_filter(machine: str | None = None) -> bytes:
     "A seccomp BPF program that refuses new processes (threads allowed); b'' where the architecture is not known."
-    import platform, struct
     arch = _ARCH.get(machine or platform.machine())
     if arch is None: return b''
     audit, forks, clone, clone3 = arch

@@ -13,7 +13,7 @@ from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['THINK_OPEN', 'THINK_CLOSE', 'TRUNCATED_NOTE', 'BACKENDS', 'Request', 'ThinkingSplit', 'split_thinking',
-           'split_reasoning', 'Completion', 'TokenUsage', 'run_sync', 'LLM', 'LazyLLM', 'load_llm', 'engine_stats']
+           'split_reasoning', 'Completion', 'TokenUsage', 'run_sync', 'LLM', 'LazyLLM', 'engine_stats']
 
 # %% ../../nbs/10_llm_core.ipynb #1ade0527
 _CHAT_ROLES = ('system', 'user', 'assistant', 'tool', 'developer')
@@ -303,37 +303,6 @@ class LazyLLM(LLM):
 
     def close(self):
         if self.backend is not None: self.backend.close()
-
-# %% ../../nbs/10_llm_core.ipynb #6bb4fe86
-def load_llm(model: str = 'default', backend: str = 'transformers', cache: str | None = None, lazy: bool = False,
-             **kw) -> LLM:
-    "Build an `LLM` for `model` on `backend`; keyword arguments go to the backend's constructor."
-    if backend == 'transformers' and model.startswith('llama.cpp:'): backend, model = 'llama.cpp', model.split(':', 1)[1]
-    if backend == 'auto':   # the engine measured fastest on this machine for `width` sequences in flight
-        from tmas_nb.llm.engines import choose_engine
-        threads = kw.pop('num_threads', None) or kw.pop('threads', None)
-        choice = choose_engine(model, kw.pop('width', 1), threads)
-        llm = load_llm(model, choice.backend, cache=cache, lazy=lazy, **{**choice.kwargs, **kw})
-        llm.engine_choice = choice
-        return llm
-    if backend == 'transformers':
-        from tmas_nb.llm.transformers_backend import TransformersBackend
-        if lazy:
-            from tmas_nb.llm.models import canonical_model_name
-            llm = LazyLLM(lambda: TransformersBackend(model, **kw), canonical_model_name(model))
-        else: llm = TransformersBackend(model, **kw)
-    elif backend == 'openai':
-        from tmas_nb.llm.openai_backend import OpenAIBackend
-        llm = OpenAIBackend(model, **kw)
-    elif backend == 'llama.cpp':   # a packaged GGUF model in its own llama-server process
-        from tmas_nb.llm.llamacpp import LlamaCppBackend
-        llm = LlamaCppBackend(model, **kw)
-    else:
-        raise ValueError(f"load_llm: unknown backend {backend!r}; use one of {BACKENDS}")
-    if cache is not None:
-        from tmas_nb.llm.cache import CachedLLM
-        llm = CachedLLM(llm, cache)
-    return llm
 
 # %% ../../nbs/10_llm_core.ipynb #4d6cdae4
 def engine_stats(llm: LLM) -> dict:

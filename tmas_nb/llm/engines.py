@@ -8,8 +8,9 @@ import asyncio, datetime, json, math, os, platform, sys, time
 from dataclasses import dataclass, field, asdict
 from pathlib import Path
 
-from .core import Request, load_llm, run_sync
-from .llamacpp import LLAMA_CPP_PYTHON, build_llama_server, find_llama_server
+from .core import Request, run_sync
+from .llamacpp import LLAMA_CPP_PYTHON, LlamaCppBackend, build_llama_server, find_llama_server
+from .transformers_backend import TransformersBackend
 from .models import canonical_model_name, packaged_model, default_device
 
 # %% auto #0
@@ -70,7 +71,7 @@ def measure_throughput(llm, widths=WIDTHS, max_new_tokens: int = 32, seed: int =
 
 # %% ../../nbs/15b_llm_engines.ipynb #7a8e2606
 def engine_settings(engine: str, threads: int) -> tuple[str, dict]:
-    "(backend, keyword arguments of `load_llm`) that run `engine` with `threads` threads."
+    "(backend, keyword arguments of its constructor and of `load_llm`) that run `engine` with `threads` threads."
     if engine == 'transformers': return 'transformers', {'num_threads': threads}
     if engine == 'transformers-int8': return 'transformers', {'num_threads': threads, 'quantize': 'int8'}
     if engine == 'llama.cpp': return 'llama.cpp', {'threads': threads, 'n_parallel': 1}
@@ -78,9 +79,9 @@ def engine_settings(engine: str, threads: int) -> tuple[str, dict]:
 
 # %% ../../nbs/15b_llm_engines.ipynb #78218ce1
 def engine_llm(engine: str, model: str = 'default', threads: int | None = None):
-    "The `LLM` of one CPU engine as `auto` would run it."
+    "The `LLM` of one CPU engine as `auto` would run it: the backend itself (`llm.loading` builds on this module)."
     backend, kw = engine_settings(engine, int(threads or default_threads()))
-    return load_llm(model, backend, **kw)
+    return (LlamaCppBackend if backend == 'llama.cpp' else TransformersBackend)(model, **kw)
 
 # %% ../../nbs/15b_llm_engines.ipynb #69117799
 def read_calibration(model: str = 'default', threads: int | None = None, root: Path | None = None) -> dict | None:

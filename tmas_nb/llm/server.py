@@ -4,13 +4,14 @@
 
 # %% ../../nbs/15_llm_server.ipynb #a3e01800
 from __future__ import annotations
-import argparse, asyncio, json, math, socket, sys, threading, time, uuid
+import argparse, asyncio, inspect, ipaddress, json, math, os, secrets, socket, sys, threading, time, uuid
 from collections import deque
 from dataclasses import dataclass
 
 from fastcore.basics import patch
 
 from .core import LLM, Request, Completion
+from .transformers_backend import request_prompt_ids
 from ..settings import deprecated_alias
 
 # %% auto #0
@@ -201,7 +202,6 @@ def prompt_fits(prompt_tokens: int, request: Request, limits: ServerLimits, expl
 # %% ../../nbs/15_llm_server.ipynb #985b91cd
 def _template_kwargs(tok, kw) -> dict:
     "`chat_template_kwargs` checked: an object of template variables, none of them a setting of `apply_chat_template` itself."
-    import inspect
     if not isinstance(kw, dict): raise BadRequest('chat_template_kwargs must be an object', param='chat_template_kwargs')
     own = {p.name for p in inspect.signature(tok.apply_chat_template).parameters.values() if p.kind != p.VAR_KEYWORD}
     if own & set(kw):
@@ -273,7 +273,6 @@ def _unauthorized() -> dict:
 
 def bearer_ok(header: str | None, api_key: str) -> bool:
     "Whether an `Authorization` header carries `api_key` as a Bearer token (constant-time comparison)."
-    import secrets
     scheme, _, token = (header or '').partition(' ')
     return scheme.lower() == 'bearer' and secrets.compare_digest(token.strip().encode(), api_key.encode())
 
@@ -292,7 +291,6 @@ def _key_check(api_key: str):
 # %% ../../nbs/15_llm_server.ipynb #1e7f54bb
 def is_loopback(host: str) -> bool:
     "Whether `host` is a loopback address (`127.0.0.0/8`, `::1`) or `localhost`."
-    import ipaddress
     h = host.strip().strip('[]').lower()
     if h == 'localhost': return True
     try: return ipaddress.ip_address(h).is_loopback
@@ -430,7 +428,6 @@ def _role(request) -> str:
     return role
 
 def _prompt_length(tok, request: Request) -> int:
-    from tmas_nb.llm.transformers_backend import request_prompt_ids
     return len(request_prompt_ids(tok, request))
 
 def _endpoint(app, parse, respond):
@@ -595,8 +592,7 @@ def _close_within(llm: LLM, timeout: float) -> bool:
 
 # %% ../../nbs/15_llm_server.ipynb #20c918aa
 def _serve_command(args) -> int:
-    import os
-    from tmas_nb.llm.core import load_llm
+    from tmas_nb.llm.loading import load_llm    # every backend: imported when a server starts, not for `tmas serve --help`
     api_key = args.api_key or os.environ.get('TMAS_API_KEY') or None
     check_exposure(args.host, api_key, args.allow_unauthenticated)
     if args.backend == 'llama.cpp':

@@ -4,12 +4,17 @@
 
 # %% ../../nbs/07_replay_files.ipynb #99d27a54
 from __future__ import annotations
-import ast, json, math, os, queue, shutil, signal, subprocess, sys, tempfile, threading, time, traceback, warnings
+import ast, json, math, os, queue, shutil, signal, subprocess, sys, tempfile, threading, time, traceback, warnings, weakref
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import tmas_nb
+
 from .authors_api import (AuthorsQuestion, install_authors_shims, replay_log, store_records, N_CODE, F_CODE)
-from ..sandbox import Sandbox, SandboxLimits, bwrap_binary, sandbox_mode, redact, _WARNED
+from .results import EvalResult
+from ..sandbox import (Sandbox, SandboxLimits, bwrap_binary, launch_command, limits_enforcement, sandbox_mode, redact,
+                             _WARNED)
 from ..settings import SandboxSettings
 from fastcore.basics import patch
 if TYPE_CHECKING: from tmas_nb.replay.store import ReplayStore   # the child stays free of NumPy unless the file needs it
@@ -144,7 +149,6 @@ def _child_argv() -> list[str]:
 
 def _child_env(home: str = '/tmp') -> dict:
     "The only variables a controller's process sees."
-    import tmas_nb
     pkg_parent = str(Path(tmas_nb.__file__).resolve().parent.parent)
     return {'PATH': '/usr/bin:/bin', 'HOME': home, 'TMPDIR': home, 'PYTHONPATH': pkg_parent, 'PYTHONDONTWRITEBYTECODE': '1',
             'PYTHONHASHSEED': '0', 'OMP_NUM_THREADS': '1', 'OPENBLAS_NUM_THREADS': '1', 'MKL_NUM_THREADS': '1',
@@ -152,7 +156,6 @@ def _child_env(home: str = '/tmp') -> dict:
 
 def sandbox_command(mode: str, memory_mb: int = 2048) -> list[str]:
     "The argv that starts a controller child under `mode` ('bwrap', 'unshare', 'rlimits' or 'none'), for inspection."
-    from tmas_nb.sandbox import launch_command, limits_enforcement
     return launch_command(_child_argv(), SandboxLimits(memory_mb=memory_mb), mode, limits_enforcement(), env=_child_env())[0]
 
 # %% ../../nbs/07_replay_files.ipynb #5511d9cc
@@ -294,7 +297,6 @@ _RECORDS: dict = {}
 
 def _records_of(store):
     "(records with gold, records without) of `store`, kept while the store lives (a discovery loop reuses its stores)."
-    import weakref
     hit = _RECORDS.get(id(store))
     if hit is not None and hit[0]() is store: return hit[1], hit[2]
     gold = store_records(store); nogold = [dict(r, gold_answer='') for r in gold]
@@ -303,20 +305,15 @@ def _records_of(store):
 
 def _enforcement(mode: str) -> str:
     "How the memory budget was enforced: 'cgroup', 'rlimit' or 'none' (no sandbox)."
-    from tmas_nb.sandbox import limits_enforcement
     return 'none' if mode == 'none' else limits_enforcement()
 
 
 # %% ../../nbs/07_replay_files.ipynb #b092c9d7
-def _failed(name, store, seeds, api, err, mode):
-    nan = float('nan')
-    return dict(controller=name, store=store.name, acc=nan, avg_tokens=nan, ci_low=nan, ci_high=nan, acc_std=nan, seeds=len(seeds),
-                error=err, api=api, sandbox=mode, limits=_enforcement(mode), unrevealed=0, seconds=0.0, per_question_acc=[],
-                per_question_tokens=[])
+def _failed(name, store, seeds, api, err, mode) -> EvalResult:
+    return EvalResult.failed(name, store.name, len(seeds), err, api, mode, _enforcement(mode))
 
 def _sandbox_settings(settings, given: dict):
     "`settings` (a `SandboxSettings`, default: its defaults) with the fields in `given` replaced; unknown names are an error."
-    from dataclasses import fields, replace
     names = {f.name for f in fields(SandboxSettings)}
     bad = sorted(set(given) - names)
     if bad: raise TypeError(f"unknown sandbox setting(s) {', '.join(bad)}; SandboxSettings has {', '.join(sorted(names))}")
@@ -392,21 +389,20 @@ def _authors(self:_Tally, q: int, order: list, log: list, ans) -> tuple[int, boo
 
 # %% ../../nbs/07_replay_files.ipynb #9a75c800
 @patch
-def results(self:_Tally, names: list, mode: str, secs: float, n_boot: int = 2000) -> list[dict]:
-    "One result dict per configuration."
-    from tmas_nb.replay.evaluation import bootstrap_ci     # imported after the children ran: it loads pandas and SciPy
+def results(self:_Tally, names: list, mode: str, secs: float, n_boot: int = 2000) -> list[EvalResult]:
+    "One `EvalResult` per configuration."
+    from tmas_nb.replay.evaluation import bootstrap_ci     # imported after the children ran: it loads pandas and SciPy (never in a child)
     out, S = [], len(self.seeds)
     for k, n in enumerate(names):
         if self.errors[k] is None and not self.got[k].all():
             self.errors[k] = f"{self.path.name}: no results for {int((~self.got[k]).sum())} of {S} seeds"
         if self.errors[k] is not None:
-            r = _failed(n, self.store, self.seeds, self.api[k], self.errors[k], mode); r['seconds'] = secs; out.append(r); continue
+            r = _failed(n, self.store, self.seeds, self.api[k], self.errors[k], mode); r.seconds = secs; out.append(r); continue
         pq = self.correct[k].mean(axis=0); lo, hi = bootstrap_ci(pq, n_boot=n_boot); per_seed = 100 * self.correct[k].mean(axis=1)
-        r = dict(controller=n, store=self.store.name, acc=float(per_seed.mean()), avg_tokens=float(self.cost[k].mean(axis=1).mean()),
-                 ci_low=100 * lo, ci_high=100 * hi, acc_std=float(per_seed.std()), seeds=S, error=None, api=self.api[k], sandbox=mode,
-                 limits=_enforcement(mode), unrevealed=int(self.unrevealed[k]), seconds=secs,
-                 per_question_acc=(100 * pq).tolist(), per_question_tokens=self.cost[k].mean(axis=0).tolist())
-        if self.keep_logs: r.update(trace_seed=self.seeds[0], trace_api=self.api[k], trace_logs=self.logs[k])
+        r = EvalResult(n, self.store.name, float(per_seed.mean()), float(self.cost[k].mean(axis=1).mean()), 100 * lo, 100 * hi, S,
+                       (100 * pq).tolist(), self.cost[k].mean(axis=0).tolist(), error=None, acc_std=float(per_seed.std()),
+                       api=self.api[k], sandbox=mode, limits=_enforcement(mode), unrevealed=int(self.unrevealed[k]), seconds=secs)
+        if self.keep_logs: r.trace_seed, r.trace_api, r.trace_logs = self.seeds[0], self.api[k], self.logs[k]
         out.append(r)
     return out
 
@@ -456,12 +452,12 @@ def _evaluate_configs(path, class_name, configs, store, seeds, s: SandboxSetting
 
 # %% ../../nbs/07_replay_files.ipynb #1dec34b4
 def evaluate_file(path, class_name: str, config: dict | None, store: ReplayStore, seeds=range(100),
-                  settings: SandboxSettings | None = None, **sandbox) -> dict:
+                  settings: SandboxSettings | None = None, **sandbox) -> EvalResult:
     "Evaluate class `class_name` of file `path` with `config` on `store`, sandboxed by `settings` (or its fields as keywords: api, timeout, memory_mb, jobs, sandbox, stateless); errors are in `error`."
     return _evaluate_configs(path, class_name, [config], store, seeds, _sandbox_settings(settings, sandbox))[0]
 
 def evaluate_file_configs(path, class_name: str, configs: list, store: ReplayStore, seeds=range(100),
-                          settings: SandboxSettings | None = None, keep_logs: bool = False, **sandbox) -> list[dict]:
+                          settings: SandboxSettings | None = None, keep_logs: bool = False, **sandbox) -> list[EvalResult]:
     "One result per configuration on `store` (one child per job serves them all); `keep_logs` adds the first seed's answers and action logs."
     if not configs: raise ValueError("configs must not be empty")
     return _evaluate_configs(path, class_name, configs, store, seeds, _sandbox_settings(settings, sandbox), keep_logs=keep_logs)
@@ -475,7 +471,7 @@ def evaluate_file_grid(path, class_name: str, configs: list, stores: list, seeds
     s, rows = _sandbox_settings(settings, sandbox), []
     for st in tqdm(list(stores), desc=f"{Path(path).name} grid", disable=not progress):
         for c, r in zip(configs, _evaluate_configs(path, class_name, configs, st, seeds, s)):
-            r = {k: v for k, v in r.items() if not k.startswith('per_question')}
+            r = r.to_dict(per_question=False)
             r['config'] = json.dumps(c, sort_keys=True); rows.append(r)
     cols = ['store', 'controller', 'config', 'acc', 'avg_tokens', 'ci_low', 'ci_high', 'acc_std', 'seeds', 'error', 'api', 'sandbox',
             'limits', 'unrevealed', 'seconds']

@@ -19,7 +19,8 @@ from PIL import Image
 from .store import ReplayStore, load_store, MODELS, DATASETS
 from .environment import Action, ReplayEnv, Step
 from .controllers import Controller, parse_controller, check_fits_store
-from .evaluation import trace_episodes, _DATA_DIR_HELP
+from .evaluation import trace_episodes
+from .commands import _DATA_DIR_HELP
 from .authors_api import N_CODE, F_CODE
 from .files import ControllerError, evaluate_file_configs, static_api_of
 from ..settings import SandboxSettings, add_settings, resolve
