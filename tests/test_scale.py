@@ -71,3 +71,39 @@ def test_a_command_imports_only_its_own_module():
     p = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.split('\n')[0] == "['tmas_nb.runs']"
+
+
+def _reads_of_checkpoints(monkeypatch):
+    "Count, per checkpoint file, how often it is read (every checkpoint read goes through Path.read_text)."
+    import collections, pathlib
+    reads, orig = collections.Counter(), pathlib.Path.read_text
+    def counting(self, *a, **kw):
+        if self.name.startswith('iter_'): reads[str(self)] += 1
+        return orig(self, *a, **kw)
+    monkeypatch.setattr(pathlib.Path, 'read_text', counting)
+    return reads
+
+
+def test_a_resumed_run_reads_each_checkpoint_once(tmp_path, monkeypatch):
+    """Resuming reads each checkpoint once to write the run's files, and a problem's last one again for its state: a
+    run of P problems x T iterations reads P*T + P files, not 3*P*T (the problems' own reads, then the records and the
+    calls each read everything again). The scripted model only stands in for the control flow."""
+    from helpers import ScriptedLLM, REPLIES
+    from tmas_nb.llm.core import run_sync
+    from tmas_nb.data import demo_problems
+    from tmas_nb.methods import TMASConfig
+    from tmas_nb.runs import start_run
+    probs, cfg = demo_problems()[:3], TMASConfig(n_candidates=2, n_verifications=2, iterations=2, embedder='hashing', max_new_tokens=16)
+    run = lambda: run_sync(start_run('tmas', probs, cfg, tmp_path / 'run', llm=ScriptedLLM(REPLIES), progress=False))
+    first = run()
+    files = sorted((tmp_path / 'run' / 'checkpoints').rglob('iter_*.json'))
+    assert len(files) == 2 * len(probs) and len(first.records) == 2 * 2 * len(probs)
+    reads = _reads_of_checkpoints(monkeypatch)
+    again = run()                                            # a finished run opened again: nothing to ask the model
+    assert sum(reads.values()) == len(files) + len(probs) and max(reads.values()) <= 2, dict(reads)
+    assert again.records.equals(first.records)
+    for p in (tmp_path / 'run' / 'checkpoints').iterdir(): (p / 'iter_1.json').unlink()   # killed before the last iteration
+    reads.clear()
+    resumed = run()
+    assert sum(reads.values()) == len(probs) + 2 * len(probs), dict(reads)   # the last one kept per problem, then all at the end
+    assert resumed.records.drop(columns='wall_s').equals(first.records.drop(columns='wall_s'))

@@ -593,14 +593,14 @@ def _grade(texts: list[str], golds: list[str], finish_reasons: list[str], extrac
     with _GRADE_LOCK: return grade_many_detail(texts, golds, finish_reasons, progress=False, extract_truncated=extract_truncated)
 
 # %% ../nbs/23_methods.ipynb #c47a7bc0
-def read_problem_checkpoints(run_dir, problem_id: str) -> list[dict]:
-    "The checkpoints of one problem, iteration 0 first (empty when it has none)."
+def read_problem_checkpoints(run_dir, problem_id: str, last_only: bool = False) -> list[dict]:
+    "The checkpoints of one problem, iteration 0 first (empty when it has none); `last_only`: only the last one, the others are not read."
     d = checkpoint_path(run_dir, problem_id, 0).parent
     if not d.is_dir(): return []
-    items = []
-    for k in range(10 ** 6):
+    n, items = 0, []
+    while (d / f'iter_{n}.json').exists(): n += 1
+    for k in range(n - 1 if last_only and n else 0, n):
         p = d / f'iter_{k}.json'
-        if not p.exists(): break
         try: items.append(json.loads(p.read_text(encoding='utf-8')))
         except json.JSONDecodeError as e:
             raise ValueError(f"{p}: not valid JSON ({e.msg}); delete this file to redo that iteration") from None
@@ -616,16 +616,16 @@ def _write_iteration(run_dir, banks: dict, bank_files: dict, checkpoint: Path, p
     atomic_write_json(checkpoint, payload)
 
 # %% ../nbs/23_methods.ipynb #2042d6eb
-async def run_problem(method: Method, problem: Problem, llm: LLM, run_dir, bar=None) -> list[dict]:
-    "Run (or resume) one problem to its last iteration, checkpointing each iteration; returns its records."
-    history = read_problem_checkpoints(run_dir, problem.id)
+async def run_problem(method: Method, problem: Problem, llm: LLM, run_dir, bar=None, collect: bool = True) -> list[dict]:
+    "Run (or resume) one problem to its last iteration, checkpointing each iteration; returns its records (none with `collect=False`: then only the last checkpoint is read)."
+    history = read_problem_checkpoints(run_dir, problem.id, last_only=not collect)
     if history:
         last = history[-1]
         state, done, start = last['state'], last['done'], last['iteration'] + 1
         banks = {n: method.load_bank(n, Path(run_dir) / rel) for n, rel in last['bank_files'].items()}
     else:
         state, done, start, banks = method.new_state(problem), False, 0, method.new_banks()
-    records = [r for p in history for r in p['records']]
+    records = [r for p in history for r in p['records']] if collect else []
     if bar is not None: bar.update(min(start, method.n_iterations) if not done else method.n_iterations)
     for it in range(start, method.n_iterations):
         if done: break
@@ -647,14 +647,14 @@ async def run_problem(method: Method, problem: Problem, llm: LLM, run_dir, bar=N
             'wall_s': wall, 'records': recs, 'state': state, 'bank_files': bank_files,
             'banks': {n: bank_items(n, b) for n, b in banks.items()},
             'memory': [u.to_dict() for u in res.memory], 'usage': meter.usage.by_role, 'calls': compact_calls(meter.calls)})
-        records += recs
+        if collect: records += recs
         if bar is not None: bar.update(method.n_iterations - it - 1 if done else 1)
     return records
 
 # %% ../nbs/23_methods.ipynb #9c7e4884
 async def run_method(method: str | Method, problems: Sequence[Problem], llm: LLM, config: MethodConfig | dict | None = None,
-                     run_dir=None, concurrency: int = 4, progress: bool = True):
-    "Run `method` on `problems` with checkpoints in `run_dir` (resuming from them); the records as a DataFrame."
+                     run_dir=None, concurrency: int = 4, progress: bool = True, collect: bool = True):
+    "Run `method` on `problems` with checkpoints in `run_dir` (resuming from them); the records as a DataFrame (`collect=False`: None, and a resumed problem reads only its last checkpoint; the caller reads the records from the checkpoints)."
     if run_dir is None: raise ValueError("run_method: pass run_dir, the folder for checkpoints and banks")
     m = method if isinstance(method, Method) else make_method(method, config)
     if isinstance(method, Method) and config is not None: raise ValueError("run_method: pass a config only with a method name")
@@ -669,7 +669,7 @@ async def run_method(method: str | Method, problems: Sequence[Problem], llm: LLM
                unit='problem-iteration', disable=not progress)
     sem = asyncio.Semaphore(concurrency)
     async def one(p):
-        async with sem: return await run_problem(m, p, llm, run_dir, bar)
+        async with sem: return await run_problem(m, p, llm, run_dir, bar, collect)
     try: results = await asyncio.gather(*[one(p) for p in problems], return_exceptions=True)
     finally: bar.close()
     errors = [(p, r) for p, r in zip(problems, results) if isinstance(r, BaseException)]
@@ -677,4 +677,4 @@ async def run_method(method: str | Method, problems: Sequence[Problem], llm: LLM
         p, e = errors[0]
         raise RuntimeError(f"{m.name}: {len(errors)} of {len(problems)} problem(s) failed; first, problem {p.id!r}: "
                            f"{type(e).__name__}: {e}. Rerun with the same run folder to resume.") from e
-    return records_frame([r for rs in results for r in rs])
+    return records_frame([r for rs in results for r in rs]) if collect else None

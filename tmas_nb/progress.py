@@ -26,6 +26,7 @@ class RunProgress(LLM):
         self.llm, self.planned, self.run_dir, self.every_s = llm, dict(planned or {}), run_dir, every_s
         self.status = dict(status or {})                 # what every status.json write carries besides the progress
         self.t0 = self._last = time.perf_counter()
+        self._shown = float('-inf')                      # when the bar's text was last redone
         total = sum(d['calls'] for d in self.planned.values()) or None
         self.bar = tqdm(total=total, desc=desc, unit='call', disable=not bar, dynamic_ncols=True,
                         bar_format='{l_bar}{bar}| {n_fmt}/{total_fmt} calls [{elapsed}{postfix}]')
@@ -67,13 +68,14 @@ def line(self:RunProgress, s: dict | None = None) -> str:
 # %% ../nbs/24e_progress.ipynb #dd68db3b
 @patch
 def record_usage(self:RunProgress, request: Request, completions: list[Completion]):
-    "Count the call, move the bar, and save the progress when `every_s` has passed."
+    "Count the call, move the bar, and save the progress when `every_s` has passed; the bar's text is redone at most every `bar.mininterval` seconds, and never when no bar is shown."
     super(RunProgress, self).record_usage(request, completions)
     self.bar.update(1)
     if self.bar.disable and not self.run_dir: return
     now = time.perf_counter()
     if now - self._last >= self.every_s: self.flush(); self._last = now
-    else: self.bar.set_postfix_str(self.line(), refresh=False)
+    elif not self.bar.disable and now - self._shown >= self.bar.mininterval:
+        self.bar.set_postfix_str(self.line(), refresh=False); self._shown = now
 
 # %% ../nbs/24e_progress.ipynb #573cb394
 @patch

@@ -135,9 +135,9 @@ def _sum_usage(parts: list[dict]) -> dict:
             for k, v in d.items(): acc[k] = acc.get(k, 0) + v
     return dict(sorted(out.items()))
 
-def collect_run(run_dir, problem_ids: Sequence[str] | None = None) -> tuple[list[dict], list[dict], dict, list[dict]]:
-    "(records, bank rows, usage by role, memory events) from a run's checkpoints, in problem order."
-    cps = read_checkpoints(run_dir)
+def collect_run(run_dir, problem_ids: Sequence[str] | None = None, checkpoints: dict | None = None) -> tuple[list[dict], list[dict], dict, list[dict]]:
+    "(records, bank rows, usage by role, memory events) from a run's checkpoints (`read_checkpoints`, unless given), in problem order."
+    cps = read_checkpoints(run_dir) if checkpoints is None else checkpoints
     order = list(problem_ids) if problem_ids is not None else []
     order += [p for p in cps if p not in order]
     records, banks, usage, events = [], [], [], []
@@ -205,11 +205,12 @@ def _carried_verdicts(path: Path, records: list[dict]) -> list[list[bool]]:
     return [old[c].tolist() for c in cols]
 
 def finish_run(run_dir, cache_stats: dict | None = None) -> Path:
-    "Write `records.parquet`, `banks.parquet`, `calls.parquet` and `usage.json` from the checkpoints of `run_dir`."
+    "Write `records.parquet`, `banks.parquet`, `calls.parquet` and `usage.json` from the checkpoints of `run_dir` (each read once)."
     run_dir = Path(run_dir)
     cfg = json.loads((run_dir / 'config.json').read_text(encoding='utf-8'))
-    records, banks, usage, events = collect_run(run_dir, cfg.get('problem_ids'))
-    write_parquet(run_dir / 'calls.parquet', collect_calls(run_dir, cfg.get('problem_ids')), call_schema())
+    cps = read_checkpoints(run_dir)
+    records, banks, usage, events = collect_run(run_dir, cfg.get('problem_ids'), cps)
+    write_parquet(run_dir / 'calls.parquet', collect_calls(run_dir, cfg.get('problem_ids'), cps), call_schema())
     verdicts = _carried_verdicts(run_dir / 'records.parquet', records)
     write_parquet(run_dir / 'records.parquet', records, record_schema())
     if verdicts:

@@ -196,7 +196,7 @@ async def _run_in_folder(m, problems, run_dir: Path, llm, where: tuple, opts: Ru
     try:
         prog.flush()
         async with prog.ticking():   # RunProgress shows progress per call
-            await run_method(m, problems, prog, run_dir=run_dir, concurrency=opts.concurrency, progress=False)
+            await run_method(m, problems, prog, run_dir=run_dir, concurrency=opts.concurrency, progress=False, collect=False)   # finish_run reads the records
         stats = {'hits': cached.hits, 'misses': cached.misses,
                  'model_loaded': getattr(getattr(cached, 'backend', None), 'loaded', True)}
     finally:

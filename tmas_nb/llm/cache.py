@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio, hashlib, json, os, sqlite3, threading, time
 from dataclasses import replace
 from pathlib import Path
+from fastcore.basics import patch
+
 from .core import LLM, Request, Completion
 
 # %% auto #0
@@ -88,6 +90,22 @@ class CompletionStore:
         with self._lock:
             if self._db is not None: self._db.close(); self._db = None
 
+# %% ../../nbs/14_llm_cache.ipynb #a009cbad
+@patch
+def put_many(self:CompletionStore, model_id: str, request: Request, samples: list[tuple[str, int, Completion]]):
+    "Store `(key, sample index, completion)` of one request's samples in one transaction (a key already present is kept)."
+    req, now, rows = json.dumps(request.to_dict(), ensure_ascii=False), time.time(), []
+    for key, i, c in samples:
+        d = c.to_dict(); d['cached'] = False
+        rows.append((key, model_id, int(i), req, json.dumps(d, ensure_ascii=False), now))
+    with self._lock:
+        self._db.execute('BEGIN IMMEDIATE')
+        try:
+            self._db.executemany('INSERT OR IGNORE INTO completions VALUES (?,?,?,?,?,?)', rows)
+            self._db.execute('COMMIT')
+        except BaseException:
+            self._db.execute('ROLLBACK'); raise
+
 # %% ../../nbs/14_llm_cache.ipynb #e92d79b6
 class CachedLLM(LLM):
     "Wrap `backend` with a persistent per-sample completion cache in SQLite at `path` (a file or a run folder)."
@@ -112,9 +130,8 @@ class CachedLLM(LLM):
                 fresh = [fresh[i] for i in missing]
             else:
                 fresh = (await self.backend.generate([replace(request, n=len(missing))]))[0]
-            for i, c in zip(missing, fresh):
-                await asyncio.to_thread(self.store.put, keys[i], model_id, request, i, c)
-                out[i] = c
+            out.update(zip(missing, fresh))
+            await asyncio.to_thread(self.store.put_many, model_id, request, [(keys[i], i, c) for i, c in zip(missing, fresh)])
         return [out[i] for i in range(request.n)]
 
     async def _generate(self, requests: list[Request]) -> list[list[Completion]]:

@@ -140,8 +140,8 @@ def _server_message(resp) -> str:
 def _first_words(request: Request, k: int = 8) -> str:
     "The start of a request's prompt, to name the request in an error."
     if isinstance(request.prompt, list): return f'a prompt of {len(request.prompt)} token ids'
-    words = str(request.prompt if request.prompt is not None else request.messages[-1].get('content', '')).split()
-    return ' '.join(words[:k]) + (' ...' if len(words) > k else '')
+    words = str(request.prompt if request.prompt is not None else request.messages[-1].get('content', '')).split(None, k)
+    return ' '.join(words[:k]) + (' ...' if len(words) > k else '')   # split no further than word k: a prompt can be long
 
 # %% ../../nbs/13_llm_openai.ipynb #a8e1beec
 _N_LIMIT_PATTERNS = (r"<=\s*value\s*<=\s*(\d+)",                  # llama-server: Value must be between 1 <= value <= 8
@@ -283,7 +283,7 @@ def record(self:OpenAIBackend) -> dict:
 def __repr__(self:OpenAIBackend): return f"OpenAIBackend({self.model_id!r}, base_url={self.base_url!r})"
 
 # %% ../../nbs/13_llm_openai.ipynb #a4365b63
-SHARD_CONNECTIONS = 64
+SHARD_CONNECTIONS = 8
 
 class ClientShards:
     "httpx clients of at most `SHARD_CONNECTIONS` connections each, for `connections` calls in flight at once."
