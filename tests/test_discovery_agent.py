@@ -33,6 +33,9 @@ visible = {p: sorted(os.listdir(p)) if os.path.isdir(p) else None for p in place
 ev = subprocess.run(os.environ['TMAS_EVAL_CMD'].split() + ['--beta', '1.0', '--seeds', '1'], capture_output=True, text=True, cwd=ws)
 m = ws / 'code_base' / 'method.py'
 m.write_text(m.read_text().replace('self.beta * 15', 'self.beta * 7'))
+# what the claude CLI's --output-format json prints about its run, where the environment tells the agent to leave it
+Path(os.environ['TMAS_USAGE_FILE']).write_text(json.dumps({'type': 'result', 'total_cost_usd': 0.0123, 'usage': {
+    'input_tokens': 1200, 'cache_creation_input_tokens': 300, 'cache_read_input_tokens': 500, 'output_tokens': 450}}))
 (ws / 'report.json').write_text(json.dumps(dict(found=found, seen=seen, visible=visible, round=os.environ['TMAS_ROUND'],
                                                 eval=ev.stdout, eval_err=ev.stderr[-2000:], home=os.path.expanduser('~'))))
 print('agent done', seen)
@@ -51,7 +54,7 @@ def test_scripted_agent_cannot_reach_heldout_and_edits_method(tmp_path):
     cmd = ' '.join(shlex.quote(x) for x in [sys.executable, str(script), 'HELDOUT-MARKER-7f3a', *places])
     # the script itself must be readable in the sandbox: it comes in through --agent-mount
     cfg = DiscoveryConfig(rounds=1, train=['Qwen3-4B:syn'], heldout=['Qwen3-4B:held'], seeds=2, betas=(0.0, 1.0),
-                          agent_cmd=cmd, agent_mounts=[str(script)], agent_timeout=120)
+                          agent_cmd=cmd, agent_mounts=[str(script)], agent_timeout=120, price_in=3, price_out=15)
     out = tmp_path / 'run'
     s = run_discovery(None, cfg, out, data_dir=tmp_path / 'data', progress=False)
     ws = out / 'agent' / 'r0000'
@@ -74,6 +77,10 @@ def test_scripted_agent_cannot_reach_heldout_and_edits_method(tmp_path):
     cur = pd.read_csv(out / 'curves.csv')
     assert set(cur.split) == {'search', 'heldout'} and s['selection']['round'] == 0
     assert s['statuses']['ok'] == 1
+    # the agent's own tokens are the round's cost
+    [rec] = [json.loads(l) for l in (out / 'rounds.jsonl').read_text().splitlines()]
+    assert (rec['agent_tokens'], rec['tokens_in'], rec['tokens_out'], rec['agent_cost_usd']) == ('reported', 2000, 450, 0.0123)
+    assert (s['cost']['tokens_in'], s['cost']['tokens_out'], s['cost']['dollars'], s['cost']['tokens_unknown_rounds']) == (2000, 450, 0.0128, [])
 
 
 SLOW_AGENT = r'''
@@ -123,10 +130,14 @@ def test_resume_after_kill_9_while_the_agent_runs_and_while_evaluating(tmp_path)
     _wait_for(lambda: (out / 'rounds' / 'r0000' / 'method.py').exists(), p)
     os.kill(p.pid, signal.SIGKILL); p.wait()
     # 3. the rerun (here in this process, the settings of the command line) finishes the round once
-    run_discovery(None, DiscoveryConfig(rounds=1, train=[str(store)], seeds=2, agent_cmd=cmd, agent_mounts=[str(script), str(mode)]),
-                  out, progress=False)
+    s = run_discovery(None, DiscoveryConfig(rounds=1, train=[str(store)], seeds=2, agent_cmd=cmd, agent_mounts=[str(script), str(mode)]),
+                      out, progress=False)
     [line] = (out / 'rounds.jsonl').read_text().splitlines()
-    assert json.loads(line)['status'] == 'ok'
+    rec = json.loads(line)
+    assert rec['status'] == 'ok'
+    # this agent reports no tokens: the round's cost is unknown, not zero
+    assert (rec['agent_tokens'], rec['tokens_in'], rec['tokens_out']) == ('unknown', None, None)
+    assert s['cost']['tokens_unknown_rounds'] == [0] and s['cost']['dollars'] is None
     hist = [d.name for d in (out / 'code_base' / 'history').iterdir()]
     assert sorted(h[:5] for h in hist) == ['r0000', 'seed_'], hist          # one archived round, no partial folder
     cur = pd.read_csv(out / 'curves.csv')

@@ -1,15 +1,18 @@
 """`tmas data fetch` against a real web server on loopback that serves the shared data laid out like its sources
 (`<owner>/<repo>/<commit>/<path>`): clean fetch, re-fetch, corrupted file, server killed mid-download, offline,
 local copies, and a fresh machine that fetches the replay stores and runs the README's main job."""
-import json, os, socket, subprocess, sys, time
+import hashlib, json, os, socket, subprocess, sys, time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from tmas_nb.cli import main
 from tmas_nb.core import sha256_file
+from tmas_nb.discovery import history_files
+from tmas_nb.discovery_history import history_curves
 from tmas_nb.fetch import (REGISTRY, ChecksumError, DataFetchError, Downloader, fetch, list_datasets,
-                           make_mirror)
+                           make_mirror, resolve_names)
 
 HERE = Path(__file__).parent
 QUIET = Downloader(retries=0, progress=False)
@@ -68,7 +71,7 @@ def test_clean_fetch_then_refetch_downloads_nothing(mirror, data_root, tmp_path)
         assert len(s.requests()) == 14                      # nothing asked of the server
     status = {r['name']: r['status'] for r in list_datasets(dest)}
     assert status == {'autotts': 'verified', 'imo-answerbench': 'verified', 'hmmt24': 'missing', 'hmmt25': 'missing',
-                      'hle_math_100': 'verified', 'autotts-reference': 'missing'}
+                      'hle_math_100': 'verified', 'autotts-reference': 'missing', 'autotts-history': 'missing'}
 
 
 def test_corrupted_file_is_refused_and_nothing_is_left(data_root, tmp_path, capsys):
@@ -178,3 +181,35 @@ def test_mirror_command_served_by_plain_http_server(data_root, tmp_path, capsys)
         assert sha256_file(tmp_path / 'data' / f.path) == f.sha256 and not part.exists()
     finally:
         srv.kill(); srv.wait()
+
+
+def test_authors_history_is_pinned_and_fetched_where_from_history_reads_it(tmp_path):
+    """The authors' discovery history is an item of its own, outside `all`: 25 files, each at raw.githubusercontent.com
+    at the pinned commit with its sha256. Stand-ins of our own (never their contents) served by the loopback mirror at
+    the same places, pinned by their own sha256, land where `tmas discover --from-history` reads them; the real pins
+    refuse the stand-ins."""
+    ds = REGISTRY['autotts-history']
+    commit = '6daad631d3a62406910f5e3cf81bc395f8098622'
+    assert ds not in resolve_names(['all']) and ds.source.commit == commit and len(ds.files) == 25
+    assert all(f.sha256 and len(f.sha256) == 64 and f.size > 1000 for f in ds.files)
+    base = f'https://raw.githubusercontent.com/zhengkid/AutoTTS/{commit}/efficient_reasoning_controller/logs/search_history'
+    urls = [ds.source.url(f.source_path) for f in ds.files]
+    assert all(u.startswith(base + '/r000') for u in urls) and sum(u.endswith('/code_base/method.py') for u in urls) == 5
+    assert sum(u.endswith('/proposal_results/matrix_results_Qwen3-4B/aime24_raw_new_api.csv') for u in urls) == 5
+    mirror, stand_ins = tmp_path / 'mirror', []
+    for f in ds.files:
+        body = (b'class OptimalController:\n    pass\n' if f.path.endswith('.py') else
+                b'Method,Acc,Cost,Std_Acc,_beta\nOptimalController,50.0,1000,0,0.0\nOptimalController,60.0,3000,0,1.0\n')
+        dst = mirror / 'zhengkid' / 'AutoTTS' / commit / f.source_path; dst.parent.mkdir(parents=True, exist_ok=True); dst.write_bytes(body)
+        stand_ins.append(replace(f, size=len(body), sha256=hashlib.sha256(body).hexdigest()))
+    dest = tmp_path / 'data'
+    with Server(mirror, tmp_path / 'log') as s:
+        res = fetch(['autotts-history'], dest, s.url, downloader=QUIET, registry={ds.name: replace(ds, files=tuple(stand_ins))})
+        assert set(res['autotts-history'].values()) == {'downloaded'} and len(s.requests()) == 25
+        assert s.requests()[-1].split()[1] == f'/zhengkid/AutoTTS/{commit}/efficient_reasoning_controller/logs/search_history/r0004/proposal_results/matrix_results_Qwen3-8B/aime24_raw_new_api.csv'
+        with pytest.raises(ChecksumError, match='pinned to'):
+            fetch(['autotts-history'], tmp_path / 'data2', s.url, downloader=QUIET)
+    assert files_under(tmp_path / 'data2') == []
+    assert [k for k, _ in history_files(dest / 'autotts_history')] == [0, 1, 2, 3, 4]
+    c = history_curves(dest / 'autotts_history')
+    assert len(c) == 5 * 4 * 2 and set(c.store) == {f'Qwen3-{m}:aime24' for m in ('0.6B', '1.7B', '4B', '8B')}

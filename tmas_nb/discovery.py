@@ -24,7 +24,8 @@ from .replay.evaluation import evaluate, table_controllers
 from .replay.authors_api import store_records
 from .replay.files import check_controller_source, evaluate_file_configs
 from .replay.results import EvalResult
-from .discovery_history import (archive_round, monotone_violations, round_folder, round_traces, select_paper,
+from .discovery_history import (archive_round, compare_curves, comparison_summary, history_curves, monotone_violations,
+                                       round_folder, round_traces, select_paper,
                                        store_label, store_parts, update_curves, worst_questions, write_results)
 
 
@@ -35,7 +36,7 @@ __all__ = ['CLASS_NAME', 'ENVIRONMENT_API', 'BETA_CONTRACT', 'FREE_CONTRACT', 'E
            'resolve_store', 'store_digest', 'cached_evaluation', 'proposal_configs', 'evaluate_proposal', 'curve_text',
            'seeds_text', 'trace_text', 'worst_traces_text', 'history_text', 'proposer_prompt', 'revise_prompt',
            'critic_prompt', 'ScriptedLLM', 'RoundContext', 'model_context', 'draft_results', 'propose_builtin',
-           'make_workspace', 'run_agent', 'run_round', 'init_workspace', 'heldout_pass', 'cost_summary',
+           'make_workspace', 'agent_usage', 'run_agent', 'run_round', 'init_workspace', 'heldout_pass', 'cost_summary',
            'run_discovery', 'history_files', 'rescore_history', 'make_llm', 'config_from_args', 'discover_cli']
 
 # %% ../nbs/40_discovery.ipynb #34c5ad3a
@@ -553,12 +554,35 @@ def make_workspace(ctx: RoundContext, k: int) -> Path:
     return ws
 
 
+# %% ../nbs/40_discovery.ipynb #eb1af420
+def agent_usage(path) -> dict | None:
+    "{tokens_in, tokens_out[, agent_cost_usd]} an agent reported in `path` (JSON objects, one or one per line, summed); None if it wrote nothing."
+    p = Path(path)
+    text = p.read_text(encoding='utf-8', errors='replace').strip() if p.is_file() else ''
+    if not text: return None
+    try: objs = [json.loads(text)]
+    except json.JSONDecodeError:
+        try: objs = [json.loads(l) for l in text.splitlines() if l.strip()]
+        except json.JSONDecodeError as e: raise ValueError(f"{p}: not JSON ({e}); write {{\"tokens_in\": N, \"tokens_out\": M}} or a CLI's JSON result") from None
+    tin = tout = n = 0; cost = None
+    for o in (x for obj in objs for x in (obj if isinstance(obj, list) else [obj]) if isinstance(x, dict)):
+        u = o if ('tokens_in' in o or 'tokens_out' in o) else o.get('usage') if isinstance(o.get('usage'), dict) else None
+        if u is None: continue
+        n += 1
+        tin += int(u.get('tokens_in', 0) or 0) + sum(int(u.get(k, 0) or 0) for k in ('input_tokens', 'cache_creation_input_tokens', 'cache_read_input_tokens'))
+        tout += int(u.get('tokens_out', 0) or 0) + int(u.get('output_tokens', 0) or 0)
+        c = o.get('total_cost_usd', o.get('cost_usd'))
+        if isinstance(c, (int, float)): cost = (cost or 0.0) + float(c)
+    if not n: raise ValueError(f"{p}: no tokens_in/tokens_out and no usage object in it")
+    return dict(tokens_in=tin, tokens_out=tout, **({'agent_cost_usd': round(cost, 6)} if cost is not None else {}))
+
+
 # %% ../nbs/40_discovery.ipynb #07a373b5
 def run_agent(ctx: RoundContext, k: int, d: Path) -> tuple[str | None, list]:
     "Run the agent command on a fresh workspace; returns (its method.py, [a record of the run])."
     ws = make_workspace(ctx, k); cfg = ctx.cfg
     env = dict(TMAS_ROUND=str(k), TMAS_WORKSPACE=str(ws.resolve()), TMAS_EVAL_CMD=f'{sys.executable} code_base/eval.py',
-               PYTHONPATH=str((ws / '.tmas').resolve()))
+               TMAS_USAGE_FILE=str((ws / 'code_base' / 'usage.json').resolve()), PYTHONPATH=str((ws / '.tmas').resolve()))
     log = ctx.out / 'agent' / f'r{k:04d}.log'; t0 = time.time(); status = 'ok'
     with open(log, 'wb') as f:
         sb = agent_sandbox([shutil.which('bash') or '/bin/bash', '-c', cfg.agent_cmd], ws, SandboxLimits(memory_mb=8192, max_procs=256, tmp_mb=1024),
@@ -568,16 +592,25 @@ def run_agent(ctx: RoundContext, k: int, d: Path) -> tuple[str | None, list]:
         finally: sb.close()
     m = ws / 'code_base' / 'method.py'
     code = m.read_text(encoding='utf-8', errors='replace') if m.exists() else None
-    return code, [dict(turn=0, status=status, returncode=rc, seconds=round(time.time() - t0, 1), log=str(log.relative_to(ctx.out)))]
+    rec = dict(turn=0, status=status, returncode=rc, seconds=round(time.time() - t0, 1), log=str(log.relative_to(ctx.out)))
+    try: u = agent_usage(ws / 'code_base' / 'usage.json')
+    except ValueError as e: u, rec['agent_usage_error'] = None, str(e)
+    rec.update(dict(agent_tokens='reported', **u) if u else dict(agent_tokens='unknown', tokens_in=None, tokens_out=None))
+    return code, [rec]
+
+
+# %% ../nbs/40_discovery.ipynb #48f0799a
+def _usage(drafts: list) -> dict:
+    "The proposer's (and critic's) or the agent's tokens of a round; an agent that reported none leaves them unknown (None)."
+    if any(d.get('agent_tokens') == 'unknown' for d in drafts): return dict(tokens_in=None, tokens_out=None, agent_tokens='unknown', truncated_replies=0)
+    n = lambda key: int(sum(d.get(key, 0) or 0 for d in drafts))
+    agent = {'agent_tokens': 'reported'} if any(d.get('agent_tokens') == 'reported' for d in drafts) else {}
+    if any('agent_cost_usd' in d for d in drafts): agent['agent_cost_usd'] = round(sum(d.get('agent_cost_usd', 0) for d in drafts), 6)
+    return dict(tokens_in=n('tokens_in') + n('critic_tokens_in'), tokens_out=n('tokens_out') + n('critic_tokens_out'),
+                truncated_replies=int(sum(bool(d.get('truncated')) for d in drafts)), **agent)
 
 
 # %% ../nbs/40_discovery.ipynb #3be6bcad
-def _usage(drafts: list) -> dict:
-    "Proposer (and critic) tokens of a round."
-    n = lambda key: int(sum(d.get(key, 0) or 0 for d in drafts))
-    return dict(tokens_in=n('tokens_in') + n('critic_tokens_in'), tokens_out=n('tokens_out') + n('critic_tokens_out'),
-                truncated_replies=int(sum(bool(d.get('truncated')) for d in drafts)))
-
 def run_round(ctx: RoundContext, k: int) -> dict:
     "Propose, evaluate, trace, check, archive; returns the round's record (the caller appends it to rounds.jsonl)."
     d = ctx.out / 'rounds' / f'r{k:04d}'; d.mkdir(parents=True, exist_ok=True); t0 = time.time()
@@ -666,13 +699,17 @@ def _heldout_table(rows: list, sel: dict | None) -> pd.DataFrame:
 
 # %% ../nbs/40_discovery.ipynb #ee4d444c
 def cost_summary(rounds: list, cfg: DiscoveryConfig) -> dict:
-    "Proposer tokens in/out, wall time, and the dollar cost at `price_in`/`price_out` per million tokens."
-    tin, tout = sum(r.get('tokens_in', 0) for r in rounds), sum(r.get('tokens_out', 0) for r in rounds)
-    return dict(tokens_in=int(tin), tokens_out=int(tout), seconds=round(sum(r.get('seconds', 0) for r in rounds), 1),
-                minutes=round(sum(r.get('seconds', 0) for r in rounds) / 60, 2),
-                dollars=round(tin / 1e6 * cfg.price_in + tout / 1e6 * cfg.price_out, 4),
-                per_round=[dict(round=r['round'], tokens_in=r.get('tokens_in', 0), tokens_out=r.get('tokens_out', 0), seconds=r.get('seconds', 0))
-                           for r in rounds])
+    "Proposer/agent tokens in/out, wall time, and dollars at `price_in`/`price_out` per million tokens (None while a round's tokens are unknown)."
+    known = [r for r in rounds if r.get('tokens_in') is not None]
+    unknown = [r['round'] for r in rounds if r.get('tokens_in') is None]
+    tin, tout = sum(r['tokens_in'] for r in known), sum(r.get('tokens_out') or 0 for r in known)
+    secs = sum(r.get('seconds', 0) for r in rounds)
+    reported = [r['agent_cost_usd'] for r in rounds if r.get('agent_cost_usd') is not None]
+    return dict(tokens_in=int(tin), tokens_out=int(tout), seconds=round(secs, 1), minutes=round(secs / 60, 2),
+                dollars=None if unknown else round(tin / 1e6 * cfg.price_in + tout / 1e6 * cfg.price_out, 4), tokens_unknown_rounds=unknown,
+                agent_cost_usd=round(sum(reported), 6) if reported else None,
+                per_round=[dict(round=r['round'], tokens_in=r.get('tokens_in'), tokens_out=r.get('tokens_out'), seconds=r.get('seconds', 0),
+                                agent_tokens=r.get('agent_tokens')) for r in rounds])
 
 
 # %% ../nbs/40_discovery.ipynb #273dfa7b
@@ -738,17 +775,43 @@ def history_files(folder) -> list[tuple[int, Path]]:
     if not out: raise FileNotFoundError(f"{folder}: no rNNNN*/code_base/method.py or rNNNN*/method.py round folders")
     return out
 
+
+# %% ../nbs/40_discovery.ipynb #f9528e2b
+def _rescore_round(ctx: RoundContext, k: int, f: Path, stores: dict) -> dict:
+    "Re-score round `k`'s file `f` on the search and held-out `stores` ({split: [stores]}) into curves.csv; returns its record."
+    t0, code = time.time(), Path(f).read_text(encoding='utf-8', errors='replace')
+    rec = dict(round=k, status='ok', error=None, digest=_sha(code)[:10], file=str(f), drafts=[], tokens_in=None, tokens_out=None,
+               monotone_violations=[])
+    for split, sts in stores.items():
+        if not sts: continue
+        rows = pd.concat([x[0] for x in evaluate_proposal(ctx, Path(f), sts, [{'beta': b} for b in ctx.cfg.betas], False).values()], ignore_index=True)
+        update_curves(ctx.out / 'curves.csv', rows.assign(round=k), split)
+        if split != 'search': continue
+        if rows.error.notna().all(): rec.update(status='all_failed', error=str(rows.error.dropna().iloc[0]))
+        else: rec['monotone_violations'] = monotone_violations(rows.assign(store=[store_label(s) for s in rows.store]))
+    rec['seconds'] = round(time.time() - t0, 1)
+    return rec
+
+
+# %% ../nbs/40_discovery.ipynb #944a25be
 def rescore_history(folder, cfg: DiscoveryConfig, out, data_dir=None, progress: bool = True) -> pd.DataFrame:
-    "Every round of a finished history on the search (`cfg.train`) and held-out stores over `cfg.betas`; returns curves.csv."
+    "Every round of a finished history on the search (`cfg.train`) and held-out stores over `cfg.betas`, written into `out`; returns curves.csv."
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
     stores = {'search': [resolve_store(s, data_dir) for s in cfg.train], 'heldout': [resolve_store(s, data_dir) for s in cfg.heldout]}
-    ctx = RoundContext(cfg, out, None, None, stores['search'], pd.DataFrame())
-    table = None
-    for k, f in tqdm(history_files(folder), desc='rounds', disable=not progress):
-        for split, sts in stores.items():
-            if not sts: continue
-            ev = evaluate_proposal(ctx, f, sts, [{'beta': b} for b in cfg.betas], False)
-            table = update_curves(out / 'curves.csv', pd.concat([x[0] for x in ev.values()], ignore_index=True).assign(round=k), split)
+    ctx, files = RoundContext(cfg, out, None, None, stores['search'], pd.DataFrame()), history_files(folder)
+    atomic_write_json(out / 'config.json', json_ready({**cfg.key(), 'rounds': len(files), 'proposer': f're-scored history {folder}',
+                                                      'rescored_from': str(Path(folder).resolve())}))
+    recs = [_rescore_round(ctx, k, f, stores) for k, f in tqdm(files, desc='rounds', disable=not progress)]
+    atomic_write_text(out / 'rounds.jsonl', ''.join(json.dumps(json_ready(r), allow_nan=False) + '\n' for r in recs))
+    table = ctx.curves
+    ok = table[(table.split == 'search') & table['round'].isin([r['round'] for r in recs if r['status'] == 'ok'])]
+    sel = select_paper(ok) if len(ok) else None
+    atomic_write_json(out / 'selection.json', json_ready(dict(sel or dict(round=None, beta=None, acc=None, avg_tokens=None), rule='paper')))
+    theirs = []
+    for dset in sorted({store_parts(s.name)[1] for s in stores['search']}):
+        try: theirs.append(history_curves(folder, dset))
+        except FileNotFoundError: pass
+    if theirs: atomic_write_text(out / 'history_comparison.csv', compare_curves(table, pd.concat(theirs, ignore_index=True)).to_csv(index=False))
     return table
 
 
@@ -782,7 +845,12 @@ def _cmd_discover(args) -> int:
     cfg, out = config_from_args(args), Path(args.out)
     if args.from_history:
         t = rescore_history(args.from_history, cfg, out, data_dir=args.data_dir, progress=not args.quiet)
-        print(f"{t['round'].nunique()} rounds re-scored; curves in {out / 'curves.csv'}"); return 0
+        print(f"{t['round'].nunique()} rounds re-scored; curves in {out / 'curves.csv'}")
+        if (out / 'history_comparison.csv').exists():
+            for r in comparison_summary(pd.read_csv(out / 'history_comparison.csv')).itertuples():
+                print(f"  round {r.round}: {r.points} points beside the history's own results, |Δacc| mean {r.mean_abs_acc_diff:.2f} "
+                      f"(max {r.max_abs_acc_diff:.2f}) points, tokens ours/theirs {r.tokens_ratio_mean:.4f} ({r.tokens_ratio_min:.4f}–{r.tokens_ratio_max:.4f})")
+        return 0
     if not (args.proposer or cfg.agent_cmd): raise SystemExit("tmas discover: give --proposer MODEL_OR_URL or --agent-cmd 'CMD'")
     with folder_lock(out, 'discovery folder'):   # before the caches are opened; run_discovery holds it on
         proposer = CachedLLM(make_llm(args.proposer, args.base_url, args.api_key, args.threads), out) if args.proposer else None
@@ -794,7 +862,8 @@ def _cmd_discover(args) -> int:
     sel, c = s['selection'], s['cost']
     print(f"{s['rounds']} rounds ({s['statuses']}); selected: " + (f"round {sel['round']} β={sel['beta']:g}, {sel['acc']:.2f}% @ "
           f"{sel['avg_tokens'] / 1000:.1f}k tokens" if sel else 'nothing ran') +
-          f"; proposer {c['tokens_in']} tokens in, {c['tokens_out']} out, {c['minutes']} min, ${c['dollars']}; results in {out}")
+          f"; proposer {c['tokens_in']} tokens in, {c['tokens_out']} out" + (f" (unknown in rounds {c['tokens_unknown_rounds']}: the agent reported none)"
+          if c['tokens_unknown_rounds'] else '') + f", {c['minutes']} min, ${c['dollars']}; results in {out}")
     return 0
 
 
@@ -821,8 +890,8 @@ def discover_cli(p) -> None:
     p.add_argument('--turns', type=int, default=3, help='drafts of the built-in proposer per round (default 3)')
     p.add_argument('--code-rounds', type=int, default=0, help='earlier rounds whose full code the prompt holds (0: all that fit)')
     p.add_argument('--context', type=int, default=None, help="the proposer's context in tokens (default: its model's, else 32768)")
-    p.add_argument('--price-in', type=float, default=0.0, help='dollars per million proposer input tokens')
-    p.add_argument('--price-out', type=float, default=0.0, help='dollars per million proposer output tokens')
+    p.add_argument('--price-in', type=float, default=0.0, help='dollars per million input tokens of the proposer or agent')
+    p.add_argument('--price-out', type=float, default=0.0, help='dollars per million output tokens of the proposer or agent')
     p.add_argument('--from-history', default=None, metavar='DIR', help='re-score a finished history (rNNNN*/code_base/method.py) into --out/curves.csv')
     add_settings(p, SandboxSettings, skip=('api',), title='the sandbox')
     p.add_argument('--max-new-tokens', type=int, default=None, help="length cap of a reply (default: what the proposer's context leaves)")

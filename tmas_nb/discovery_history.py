@@ -4,7 +4,7 @@
 
 # %% ../nbs/40a_discovery_history.ipynb #2d236fb3
 from __future__ import annotations
-import json, math, shutil, time
+import json, math, re, shutil, time
 from collections import Counter
 from pathlib import Path
 
@@ -19,7 +19,7 @@ from .replay.files import _records_of
 # %% auto #0
 __all__ = ['CURVE_COLUMNS', 'action_steps', 'environment_trace', 'round_traces', 'worst_questions', 'monotone_violations',
            'select_paper', 'store_parts', 'authors_csv', 'write_results', 'round_folder', 'archive_round',
-           'store_label', 'update_curves']
+           'store_label', 'update_curves', 'history_curves', 'compare_curves', 'comparison_summary']
 
 # %% ../nbs/40a_discovery_history.ipynb #6c556807
 _KIND = {'C': 'read', 'P': 'peek', 'X': 'prune'}
@@ -224,4 +224,39 @@ def update_curves(path: Path, rows: pd.DataFrame, split: str) -> pd.DataFrame:
     table = table.sort_values(['split', 'round', 'store', 'beta'], kind='stable', ascending=[False, True, True, True]).reset_index(drop=True)
     atomic_write_text(path, table.to_csv(index=False))
     return table
+
+
+# %% ../nbs/40a_discovery_history.ipynb #6a93ca09
+def history_curves(folder, dataset: str = 'aime24') -> pd.DataFrame:
+    "(round, store, beta, acc, avg_tokens) from the `<dataset>_raw_new_api.csv` files of every round folder `rNNNN*` under `folder`."
+    folder, rows = Path(folder), []
+    for f in sorted(folder.glob(f'r[0-9][0-9][0-9][0-9]*/**/matrix_results_*/{dataset}_raw_new_api.csv')):
+        k = int(re.match(r'r(\d{4})', f.relative_to(folder).parts[0]).group(1))
+        t = pd.read_csv(f)
+        beta = t['_beta'] if '_beta' in t else t.get('beta')
+        if beta is None or not {'Acc', 'Cost'} <= set(t.columns):
+            raise ValueError(f"{f}: expected the columns Acc, Cost and _beta (or beta) of a *_raw_new_api.csv, got {list(t.columns)}")
+        rows.append(pd.DataFrame(dict(round=k, store=f"{f.parent.name[len('matrix_results_'):]}:{dataset}", beta=beta.astype(float),
+                                      acc=t.Acc.astype(float), avg_tokens=t.Cost.astype(float))).dropna(subset=['beta', 'acc']))
+    if not rows: raise FileNotFoundError(f"{folder}: no rNNNN*/.../matrix_results_<Model>/{dataset}_raw_new_api.csv files")
+    return pd.concat(rows, ignore_index=True).sort_values(['round', 'store', 'beta'], kind='stable').reset_index(drop=True)
+
+
+# %% ../nbs/40a_discovery_history.ipynb #8e32178d
+def compare_curves(ours: pd.DataFrame, theirs: pd.DataFrame, split: str = 'search') -> pd.DataFrame:
+    "Per (round, store, β) both have: acc and avg_tokens of each side, `acc_diff` (ours − theirs, points) and `tokens_ratio` (ours / theirs)."
+    o = ours[ours.split == split] if 'split' in ours else ours
+    if 'error' in o: o = o[o.error.isna()]
+    key = lambda t: t.assign(beta=t.beta.astype(float).round(6))[['round', 'store', 'beta', 'acc', 'avg_tokens']]
+    m = key(o).merge(key(theirs), on=['round', 'store', 'beta'], suffixes=('', '_theirs'))
+    return m.assign(acc_diff=m.acc - m.acc_theirs, tokens_ratio=m.avg_tokens / m.avg_tokens_theirs).sort_values(['round', 'store', 'beta']).reset_index(drop=True)
+
+
+# %% ../nbs/40a_discovery_history.ipynb #6810e4a9
+def comparison_summary(m: pd.DataFrame, beta: float | None = None) -> pd.DataFrame:
+    "Per round of a `compare_curves` table (at one `beta`, or over all): points, mean/max |acc diff| (points), token ratio mean/min/max."
+    if beta is not None: m = m[np.isclose(m.beta, beta)]
+    g = m.groupby('round')
+    return pd.DataFrame(dict(points=g.size(), mean_abs_acc_diff=g.acc_diff.apply(lambda s: s.abs().mean()), max_abs_acc_diff=g.acc_diff.apply(lambda s: s.abs().max()),
+                             tokens_ratio_mean=g.tokens_ratio.mean(), tokens_ratio_min=g.tokens_ratio.min(), tokens_ratio_max=g.tokens_ratio.max())).reset_index()
 

@@ -13,9 +13,10 @@ from .core import FETCH_HINTS, check_data_folder, find_data_dir, sha256_file, us
 from .settings import deprecated_alias
 
 # %% auto #0
-__all__ = ['RAW_BASE', 'AUTOTTS', 'SUPERHUMAN', 'RSE_RELEASE', 'REGISTRY', 'Source', 'DataFile', 'Dataset', 'resolve_names',
-           'file_state', 'DataFetchError', 'ChecksumError', 'Downloader', 'find_local', 'copy_verified', 'make_mirror',
-           'fetch', 'fetch_command', 'list_datasets', 'dataset_of', 'fetch_hint', 'fetch_cli', 'list_cli', 'mirror_cli']
+__all__ = ['RAW_BASE', 'AUTOTTS', 'SUPERHUMAN', 'RSE_RELEASE', 'AUTOTTS_HISTORY', 'REGISTRY', 'Source', 'DataFile', 'Dataset',
+           'resolve_names', 'file_state', 'DataFetchError', 'ChecksumError', 'Downloader', 'find_local',
+           'copy_verified', 'make_mirror', 'fetch', 'fetch_command', 'list_datasets', 'dataset_of', 'fetch_hint',
+           'fetch_cli', 'list_cli', 'mirror_cli']
 
 # %% ../nbs/18_data_fetch.ipynb #16a9ce8d
 RAW_BASE = 'https://raw.githubusercontent.com'
@@ -40,13 +41,14 @@ class DataFile:
 
 @dataclass(frozen=True)
 class Dataset:
-    "A named group of files with one source and one licence."
+    "A named group of files with one source and one licence (`in_all`: part of `tmas data fetch all`)."
     name: str
     title: str
     licence: str
     files: tuple[DataFile, ...]
     source: Source | None = None
     note: str = ''
+    in_all: bool = True
 
     @property
     def size(self) -> int: return sum(f.size for f in self.files)
@@ -85,6 +87,38 @@ _AUTOTTS_REFERENCE = {  # file name: (bytes, sha256)
 _NO_LICENCE = ("none stated (the repository has no licence file): downloaded from the authors' repository "
                "on your machine, never redistributed")
 
+# %% ../nbs/18_data_fetch.ipynb #d632e607
+AUTOTTS_HISTORY = Source('zhengkid', 'AutoTTS', '6daad631d3a62406910f5e3cf81bc395f8098622')
+
+_AUTOTTS_HISTORY = {  # path under search_history/: (bytes, sha256) at AUTOTTS_HISTORY.commit
+    'r0000/code_base/method.py': (52755, '1a1e5a26fae56ced849a5178af47ac5bb066b09c93f68a70d1eecd42df9668c2'),
+    'r0000/proposal_results/matrix_results_Qwen3-0.6B/aime24_raw_new_api.csv': (2071, '51cb2473d4726808b36d4d4995d2700eb4b29762bcce6bbce32e378794bd9677'),
+    'r0000/proposal_results/matrix_results_Qwen3-1.7B/aime24_raw_new_api.csv': (2080, '50c037dec751a8276de04168e3f14433c43bb662a1e206201076319698a6b6e5'),
+    'r0000/proposal_results/matrix_results_Qwen3-4B/aime24_raw_new_api.csv': (2083, '048826bdd41cf28a33b943f31b1c8358fe4200aa1530472c4043c7091aca8f6e'),
+    'r0000/proposal_results/matrix_results_Qwen3-8B/aime24_raw_new_api.csv': (2083, '94a85ef2c1aac8e620eb4f64eedecd70c2dbb43a8852763d5ee64e71646077b0'),
+    'r0001/code_base/method.py': (51439, '613ddd10b506d18d17272093fbfe714a80673adf9e3a331dc4d594fad1a04f85'),
+    'r0001/proposal_results/matrix_results_Qwen3-0.6B/aime24_raw_new_api.csv': (1974, 'bc896865c1dffc653ff3ebf3b5b226348bf05529b3e6f0d76fc2f04b0f1e24b4'),
+    'r0001/proposal_results/matrix_results_Qwen3-1.7B/aime24_raw_new_api.csv': (1975, 'b75a882514feb3bc90bd32fbf0bf7649086bc2de72141356f4317f1b66ee16f0'),
+    'r0001/proposal_results/matrix_results_Qwen3-4B/aime24_raw_new_api.csv': (1975, 'a831ee26f082f61203ec32693af53997ece13f767c2f9d169267f52f0d26f7e1'),
+    'r0001/proposal_results/matrix_results_Qwen3-8B/aime24_raw_new_api.csv': (1976, '9a3bed5eeda4b47e2485ac9e85a47c8b035043fd905d57c0fdf414d9274712ff'),
+    'r0002/code_base/method.py': (54134, '3d359debc18da38c349597c24b0f00bd651ff4c05df1f1c7d26a2b2faa0c4e7e'),
+    'r0002/proposal_results/matrix_results_Qwen3-0.6B/aime24_raw_new_api.csv': (2082, '372d93a24b598caa3a7a0dce33da7e297465bcf53ace5506f7e3f7c7fc6da90b'),
+    'r0002/proposal_results/matrix_results_Qwen3-1.7B/aime24_raw_new_api.csv': (2078, 'dec029d7e5f267b0e1c17055e522a84514a24588690eaeecf340ee0c6de601ee'),
+    'r0002/proposal_results/matrix_results_Qwen3-4B/aime24_raw_new_api.csv': (2082, '5bcf1b7845053317d3ec0511f0f4f3314ed977b17fdb28b5afc6cf8859b4faeb'),
+    'r0002/proposal_results/matrix_results_Qwen3-8B/aime24_raw_new_api.csv': (2080, '530433e16f29da377bb100248ef12bd69e7cf5342e28e8a713d69e135590011c'),
+    'r0003/code_base/method.py': (57616, 'd34a38cb7c39959277e35cdc0b7fcac5bdb66506201e61debf66172ffe1dbe33'),
+    'r0003/proposal_results/matrix_results_Qwen3-0.6B/aime24_raw_new_api.csv': (2283, '33cd682870d29a2b44a742c508f7f35074aa33675649e1a2399b0af23a460e02'),
+    'r0003/proposal_results/matrix_results_Qwen3-1.7B/aime24_raw_new_api.csv': (2279, '0e1e21608b2c3653156cfb899aa374b6070a47a7abba8aa4fe7b6a08bfa866a8'),
+    'r0003/proposal_results/matrix_results_Qwen3-4B/aime24_raw_new_api.csv': (2280, 'b8ab019e38f528d81471dd201486effc5bb8fb74783bf3938799b03c0f07bf95'),
+    'r0003/proposal_results/matrix_results_Qwen3-8B/aime24_raw_new_api.csv': (2279, 'c6c459d11b22ff3b715aecd5c0a16fab75b50a37a64fe069f16bb2879440aa2d'),
+    'r0004/code_base/method.py': (60414, '5b72409f71e2dced7983470291f2fd22e27dfe89cd6fe4ee589f73064171fcdd'),
+    'r0004/proposal_results/matrix_results_Qwen3-0.6B/aime24_raw_new_api.csv': (2250, 'b6b51fe97f9ff43193ebcf5b6960141ec99c6ea6217d8b182ffa9ba976da6d8b'),
+    'r0004/proposal_results/matrix_results_Qwen3-1.7B/aime24_raw_new_api.csv': (2247, 'e370ed0ed55c161c936d066ef235b218098ffe4cfda2f7d351eefc8103d57eb7'),
+    'r0004/proposal_results/matrix_results_Qwen3-4B/aime24_raw_new_api.csv': (2247, '32cf0f67e40c33917e6cd3f36c060fbe46f47ba0b616617e859d9f997af2b65a'),
+    'r0004/proposal_results/matrix_results_Qwen3-8B/aime24_raw_new_api.csv': (2250, '13d69e1c3303b01878742b8f6bfb095547796c8c3cd727505858c9de5f4bb750'),
+}
+
+
 # %% ../nbs/18_data_fetch.ipynb #521f0e83
 REGISTRY: dict[str, Dataset] = {d.name: d for d in [
     Dataset('autotts', "AutoTTS replay stores (Qwen3-0.6B/1.7B/4B/8B × aime24/aime25/hmmt25, 30 questions × 128 branches)",
@@ -111,14 +145,20 @@ REGISTRY: dict[str, Dataset] = {d.name: d for d in [
             note=("column extracts of the authors' workspace/code_base/history/seed_algorithms/matrix_results_<model>/"
                   "aime24_raw_new_api.csv, not copies of an upstream file, so they cannot be downloaded; optional "
                   "(only tests compare against them); provide a folder holding them with --from DIR")),
+    Dataset('autotts-history', "The AutoTTS authors' published discovery history: rounds r0000-r0004, each explorer-written controller "
+            "(code_base/method.py) and its AIME24 curves on the four Qwen3 stores", _NO_LICENCE,
+            tuple(DataFile(f'autotts_history/{p}', n, h, f'efficient_reasoning_controller/logs/search_history/{p}')
+                  for p, (n, h) in _AUTOTTS_HISTORY.items()),
+            AUTOTTS_HISTORY, note=("research material, not needed to run anything, so not part of `all`; re-score it with "
+                                   "`tmas discover --from-history <data folder>/autotts_history`"), in_all=False),
 ]}
 
 def resolve_names(names, registry: dict[str, Dataset] | None = None) -> list[Dataset]:
-    "The data sets named (`all`: every one with a public source), in order, without repeats."
+    "The data sets named (`all`: every one with a public source that is `in_all`), in order, without repeats."
     registry = REGISTRY if registry is None else registry
     out = []
     for n in names:
-        if n == 'all': picked = [d for d in registry.values() if d.source is not None]
+        if n == 'all': picked = [d for d in registry.values() if d.source is not None and d.in_all]
         elif n in registry: picked = [registry[n]]
         else: raise ValueError(f"unknown data set {n!r}; choose from {', '.join([*registry, 'all'])} (`tmas data list` describes them)")
         out += [d for d in picked if d not in out]
