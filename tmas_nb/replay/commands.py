@@ -29,6 +29,13 @@ def _json_option(text, name, want):
     if want is dict and not isinstance(v, dict): raise ValueError(f"{name} must be a JSON object, e.g. '{{\"beta\": 0.5}}'")
     return v
 
+def _print_eval(d: dict, as_json: bool, more: str = '') -> int:
+    "Print one evaluation as JSON or as one line (`more` inside the closing parenthesis); the command's exit code."
+    if as_json: print(json.dumps(d))
+    else: print(f"{d['controller']} on {d['store']}: accuracy {d['acc']:.2f}% [{d['ci_low']:.1f}, {d['ci_high']:.1f}], "
+                f"{d['avg_tokens'] / 1000:.1f}k tokens per question ({d['seeds']} seeds{more})")
+    return 0
+
 def _cmd_eval_file(args) -> int:
     if args.trace: raise ValueError("--trace works with --controller SPEC only, not with --controller-file")
     kw = _file_args(args, None)
@@ -37,10 +44,7 @@ def _cmd_eval_file(args) -> int:
     r = evaluate_file(args.controller_file, args.controller_class, cfg, st, range(args.seeds), **kw)
     if r.error: raise ControllerError(r.error)
     d = r.to_dict(per_question=False); d.update(model=args.model, dataset=args.benchmark)
-    if args.json: print(json.dumps(d))
-    else: print(f"{d['controller']} on {d['store']}: accuracy {d['acc']:.2f}% [{d['ci_low']:.1f}, {d['ci_high']:.1f}], "
-                f"{d['avg_tokens'] / 1000:.1f}k tokens per question ({d['seeds']} seeds, {d['api']} API, sandbox: {d['sandbox']})")
-    return 0
+    return _print_eval(d, args.json, f", {d['api']} API, sandbox: {d['sandbox']}")
 
 def _cmd_eval(args) -> int:
     if args.seeds < 1: raise ValueError("--seeds must be >= 1")
@@ -58,10 +62,7 @@ def _cmd_eval(args) -> int:
     if args.trace:
         write_table(trace_episodes(ctrl, st, range(args.trace_seeds)), args.trace)
         d['trace'] = str(args.trace)
-    if args.json: print(json.dumps(d))
-    else: print(f"{d['controller']} on {d['store']}: accuracy {d['acc']:.2f}% "
-                f"[{d['ci_low']:.1f}, {d['ci_high']:.1f}], {d['avg_tokens'] / 1000:.1f}k tokens per question ({d['seeds']} seeds)")
-    return 0
+    return _print_eval(d, args.json)
 
 
 # %% ../../nbs/05b_replay_commands.ipynb #25117c73
