@@ -67,17 +67,8 @@ class CompletionStore:
         return {k: Completion.from_dict(json.loads(c)) for k, c in rows}
 
     def put(self, key: str, model_id: str, request: Request, sample_index: int, completion: Completion):
-        "Store one completion in its own transaction (a key already present is kept)."
-        d = completion.to_dict(); d['cached'] = False
-        with self._lock:
-            self._db.execute('BEGIN IMMEDIATE')
-            try:
-                self._db.execute('INSERT OR IGNORE INTO completions VALUES (?,?,?,?,?,?)',
-                                 (key, model_id, int(sample_index), json.dumps(request.to_dict(), ensure_ascii=False),
-                                  json.dumps(d, ensure_ascii=False), time.time()))
-                self._db.execute('COMMIT')
-            except BaseException:
-                self._db.execute('ROLLBACK'); raise
+        "Store one completion in its own transaction (a key already present is kept): `put_many` of one sample."
+        self.put_many(model_id, request, [(key, sample_index, completion)])
 
     def __len__(self):
         with self._lock: return self._db.execute('SELECT COUNT(*) FROM completions').fetchone()[0]
