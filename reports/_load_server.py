@@ -34,6 +34,7 @@ class LoadSettings:
     per_choice: bool = True       # per-choice completion_tokens (as tmas serve); off: only the total (as vLLM)
     seed: int = 0                 # seed of the failure draws
     model: str = 'load-fixture'
+    tokenize: bool = True         # answer /tokenize (one id per word); off: 404, as a server without that route
 
 
 def filler(tokens: int, offset: int) -> str:
@@ -100,7 +101,7 @@ class LoadServer:
         if method == 'POST' and path in ('/stats/reset', '/v1/stats/reset'):
             for k in c: c[k] = {} if k == 'by_role' else 0
             return 200, {'ok': True}, {}
-        if method == 'POST' and path == '/tokenize':
+        if method == 'POST' and path == '/tokenize' and self.s.tokenize:
             return 200, {'tokens': list(range(len(json.loads(raw or b'{}').get('content', '').split())))}, {}
         if method != 'POST' or not path.endswith('/completions'): return 404, {'error': {'message': 'File Not Found'}}, {}
         c['in_flight'] += 1; c['max_in_flight'] = max(c['max_in_flight'], c['in_flight'])
@@ -190,6 +191,7 @@ class Fixture:
         args = [sys.executable, os.path.abspath(__file__), 'serve', '--port-file', str(pf)]
         for k, v in settings.items():
             if k == 'per_choice': args += [] if v else ['--no-per-choice']
+            elif k == 'tokenize': args += [] if v else ['--no-tokenize']
             else: args += ['--' + k.replace('_', '-'), str(v)]
         self.log = open(self.folder / f'{pf.name}.log', 'wb')
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
@@ -288,6 +290,7 @@ def main(argv=None):
     for f in ('latency', 'fail_500', 'fail_429', 'drop'): s.add_argument('--' + f.replace('_', '-'), type=float, default=0.0)
     s.add_argument('--tokens', type=int, default=500); s.add_argument('--seed', type=int, default=0)
     s.add_argument('--no-per-choice', action='store_true'); s.add_argument('--model', default='load-fixture')
+    s.add_argument('--no-tokenize', action='store_true')
     r = sub.add_parser('raw'); b = sub.add_parser('backend')
     r.add_argument('--url', required=True); r.add_argument('--calls', type=int, required=True)
     r.add_argument('--in-flight', type=int, default=100); r.add_argument('--n', type=int, default=1)
@@ -296,7 +299,7 @@ def main(argv=None):
         b.add_argument(f, type=t, default=d, required=d is None)
     a = p.parse_args(argv)
     if a.cmd == 'serve':
-        st = LoadSettings(a.latency, a.tokens, a.fail_500, a.fail_429, a.drop, not a.no_per_choice, a.seed, a.model)
+        st = LoadSettings(a.latency, a.tokens, a.fail_500, a.fail_429, a.drop, not a.no_per_choice, a.seed, a.model, not a.no_tokenize)
         asyncio.run(serve(st, a.port, a.port_file))
     else:
         client = raw_client if a.cmd == 'raw' else backend_client
