@@ -75,6 +75,9 @@ def test_status_carries_the_progress_and_the_estimate(measured):
     assert got == {r: (d['calls'], d['samples'], d['truncated_samples']) for r, d in usage.items()}
     assert all(d['calls'] == d['calls_planned'] for d in st['progress']['roles'].values())
     assert st['complete'] and st['progress']['eta_s'] == 0 and st['progress']['tokens_per_s'] > 0
+    p = st['progress']                                   # the packaged model in-process: nothing on a wire, nothing retried
+    assert (p['problems_done'], p['problems'], p['calls'], p['calls_in_flight'], p['retried']) == (1, 1, 6, 0, 0), p
+    assert p['iterations_done'] == p['iterations_planned'] and p['calls_per_s'] > 0
     assert st['estimate']['roles']['solution']['calls'] == 2 and st['estimate']['wall_s'] > 0
     out = io.StringIO()
     with contextlib.redirect_stdout(out): assert main(['runs', 'watch', str(run), '--once']) == 0

@@ -12,6 +12,7 @@ PAUSE = 2.0
 class _Slow(http.server.BaseHTTPRequestHandler):
     protocol_version = 'HTTP/1.1'
     lock, now, most, calls = threading.Lock(), 0, 0, 0
+    fail_first = 0                      # the first this many chat calls are answered with HTTP 500 (retried by the client)
 
     def log_message(self, *a): pass
 
@@ -26,9 +27,13 @@ class _Slow(http.server.BaseHTTPRequestHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers['Content-Length'])))
         cls = type(self)
-        with cls.lock: cls.now += 1; cls.most = max(cls.most, cls.now); cls.calls += 1
+        with cls.lock: cls.now += 1; cls.most = max(cls.most, cls.now); cls.calls += 1; k = cls.calls
         time.sleep(PAUSE)
         with cls.lock: cls.now -= 1
+        if k <= cls.fail_first:
+            data = b'{"error": {"message": "busy"}}'
+            self.send_response(500); self.send_header('Content-Length', str(len(data))); self.end_headers()
+            self.wfile.write(data); return
         n = body.get('n', 1)
         self.reply({'model': 'slow', 'choices': [{'index': i, 'finish_reason': 'stop', 'completion_tokens': 3,
                                                   'message': {'role': 'assistant', 'content': 'so \\boxed{1}'}} for i in range(n)],
@@ -44,14 +49,14 @@ def slow():
     srv.shutdown(); srv.server_close()
 
 
-def _run(url, out, data_root, *flags):
+def _run(url, out, data_root, *flags, quiet=True, stderr=False):
     _Slow.most = _Slow.calls = 0
     cmd = [sys.executable, '-m', 'tmas_nb.cli', 'run', '--method', 'sampling', '--benchmark', 'demo', '--limit', '20',
            '--n-candidates', '2', '--iterations', '1', '--max-new-tokens', '8', '--concurrency', '20',
-           '--backend', 'openai', '--base-url', url, '--quiet', '--out', str(out), *flags]
+           '--backend', 'openai', '--base-url', url, *(['--quiet'] if quiet else []), '--out', str(out), *flags]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, 'TMAS_DATA_DIR': str(data_root)})
     assert p.returncode == 0, p.stderr[-3000:]
-    return _Slow.most, _Slow.calls
+    return (_Slow.most, _Slow.calls) + ((p.stderr,) if stderr else ())
 
 
 def test_requests_in_flight(slow, tmp_path, data_root):
@@ -59,6 +64,29 @@ def test_requests_in_flight(slow, tmp_path, data_root):
     assert calls == 20 and most == 3                    # twenty problems ready at once, three calls on the wire
     most, calls = _run(slow, tmp_path / 'default', data_root)
     assert calls == 20 and most > 16                    # the default lets every problem's call go at once (it was 16 at most)
+
+
+def test_a_run_logs_one_progress_line_per_interval(slow, tmp_path, data_root):
+    """With stderr a log file (not a terminal), `tmas run` prints a plain progress line every --progress-every seconds:
+    problems done, calls, calls in flight, calls/s, tokens/s, errors retried, time left; status.json carries the same.
+    The server holds each call 2 s and refuses the first three with HTTP 500 (retried)."""
+    import re
+    _Slow.fail_first = 3
+    try: most, calls, err = _run(slow, tmp_path / 'r', data_root, '--progress-every', '0.5', quiet=False, stderr=True)
+    finally: _Slow.fail_first = 0
+    assert calls == 23                                                  # 20 answered + 3 refused and retried
+    lines = [l for l in err.splitlines() if l.startswith('sampling (20 problems) [')]
+    assert len(lines) >= 3 and '\r' not in err, err[-3000:]
+    pat = re.compile(r'problems (\d+)/20 \| calls (\d+)/20 \| (\d+) in flight \| [\d.]+ calls/s \| [\d.]+ tokens/s \| '
+                     r'retried (\d+) \| cut \d+/\d+ \| left ')
+    got = [pat.search(l) for l in lines]
+    assert all(got), lines
+    in_flight = [int(m.group(3)) for m in got]
+    assert max(in_flight) >= 10, lines                                  # the twenty problems' calls held by the server at once
+    assert int(got[-1].group(4)) <= 3 and max(int(m.group(4)) for m in got) >= 1, lines
+    st = json.loads((tmp_path / 'r' / 'status.json').read_text())['progress']
+    assert (st['problems_done'], st['problems'], st['calls'], st['calls_in_flight'], st['retried']) == (20, 20, 20, 0, 3), st
+    assert st['iterations_done'] == st['iterations_planned'] == 20 and st['calls_per_s'] > 0
 
 
 def test_a_command_imports_only_its_own_module():

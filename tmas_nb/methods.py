@@ -653,8 +653,8 @@ async def run_problem(method: Method, problem: Problem, llm: LLM, run_dir, bar=N
 
 # %% ../nbs/23_methods.ipynb #9c7e4884
 async def run_method(method: str | Method, problems: Sequence[Problem], llm: LLM, config: MethodConfig | dict | None = None,
-                     run_dir=None, concurrency: int = 4, progress: bool = True, collect: bool = True):
-    "Run `method` on `problems` with checkpoints in `run_dir` (resuming from them); the records as a DataFrame (`collect=False`: None, and a resumed problem reads only its last checkpoint; the caller reads the records from the checkpoints)."
+                     run_dir=None, concurrency: int = 4, progress: bool = True, collect: bool = True, tracker=None):
+    "Run `method` on `problems` with checkpoints in `run_dir` (resuming from them); the records as a DataFrame (`collect=False`: None, and a resumed problem reads only its last checkpoint; the caller reads the records from the checkpoints). `tracker` (e.g. a `RunProgress`) is told each problem-iteration done (`update(k)`) and each problem finished (`problem_finished()`) instead of a bar."
     if run_dir is None: raise ValueError("run_method: pass run_dir, the folder for checkpoints and banks")
     m = method if isinstance(method, Method) else make_method(method, config)
     if isinstance(method, Method) and config is not None: raise ValueError("run_method: pass a config only with a method name")
@@ -665,13 +665,16 @@ async def run_method(method: str | Method, problems: Sequence[Problem], llm: LLM
     if dup: raise ValueError(f"run_method: problem ids must be unique; repeated: {dup[:5]}")
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     if hasattr(m, 'bind_problems'): m.bind_problems(problems)   # a method that numbers the run's problems (controller)
-    bar = tqdm(total=len(problems) * m.n_iterations, desc=f'{m.name} ({len(problems)} problems)',
-               unit='problem-iteration', disable=not progress)
+    bar = tracker if tracker is not None else tqdm(total=len(problems) * m.n_iterations, desc=f'{m.name} ({len(problems)} problems)',
+                                                   unit='problem-iteration', disable=not progress)
     sem = asyncio.Semaphore(concurrency)
     async def one(p):
-        async with sem: return await run_problem(m, p, llm, run_dir, bar, collect)
+        async with sem: recs = await run_problem(m, p, llm, run_dir, bar, collect)
+        if tracker is not None: tracker.problem_finished()
+        return recs
     try: results = await asyncio.gather(*[one(p) for p in problems], return_exceptions=True)
-    finally: bar.close()
+    finally:
+        if tracker is None: bar.close()
     errors = [(p, r) for p, r in zip(problems, results) if isinstance(r, BaseException)]
     if errors:
         p, e = errors[0]

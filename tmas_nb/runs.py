@@ -101,6 +101,7 @@ class RunOptions:
     concurrency: int = 4                                  # problems run at the same time
     progress: bool = True
     record: dict = field(default_factory=dict)           # further parts of config.json (preset sources, protocol, role endpoints)
+    progress_every: float = 30.0                          # seconds between two progress lines when stderr is a log, not a terminal
 
     @classmethod
     def split(cls, options: 'RunOptions | None', kw: dict) -> tuple['RunOptions', dict]:
@@ -168,7 +169,8 @@ def _run_progress(m, n_problems: int, run_dir: Path, llm, opts: RunOptions, stat
     "A `RunProgress` around `llm` counting against the planned calls of `m` (none planned for a method without a call plan)."
     try: planned = planned_calls(m.name, m.config, n_problems)
     except ValueError: planned = {}
-    return RunProgress(llm, planned, run_dir, bar=opts.progress, desc=f'{m.name} ({n_problems} problems)', status=status)
+    return RunProgress(llm, planned, run_dir, bar=opts.progress, desc=f'{m.name} ({n_problems} problems)', status=status,
+                       problems=n_problems, iterations=m.n_iterations, log_every_s=opts.progress_every)
 
 # %% ../nbs/24_runs.ipynb #86e39451
 def _open_model(run_dir: Path, llm, where: tuple, llm_kw: dict):
@@ -196,7 +198,8 @@ async def _run_in_folder(m, problems, run_dir: Path, llm, where: tuple, opts: Ru
     try:
         prog.flush()
         async with prog.ticking():   # RunProgress shows progress per call
-            await run_method(m, problems, prog, run_dir=run_dir, concurrency=opts.concurrency, progress=False, collect=False)   # finish_run reads the records
+            await run_method(m, problems, prog, run_dir=run_dir, concurrency=opts.concurrency, progress=False, collect=False,
+                             tracker=prog)   # finish_run reads the records
         stats = {'hits': cached.hits, 'misses': cached.misses,
                  'model_loaded': getattr(getattr(cached, 'backend', None), 'loaded', True)}
     finally:
@@ -371,7 +374,7 @@ def plan_run(args) -> RunPlan:
     if args.problem_ids: problems = select_problems(problems, read_problem_ids(args.problem_ids))
     if args.limit is not None: problems = first_k(problems, args.limit)
     bench = args.benchmark if not Path(args.benchmark).exists() else str(Path(args.benchmark).resolve())
-    opts = RunOptions(bench, args.limit, args.preset, args.concurrency, not args.quiet, record)
+    opts = RunOptions(bench, args.limit, args.preset, args.concurrency, not args.quiet, record, getattr(args, 'progress_every', 30.0))
     kw = _backend_kw(args, ms)
     if ms.backend == 'openai':   # every candidate chain of every problem in flight, unless told
         kw['max_concurrency'] = args.requests_in_flight or max(16, args.concurrency * int(getattr(config, 'n_candidates', 1) or 1))
@@ -504,6 +507,8 @@ def run_cli(p) -> None:
     p.add_argument('--limit', type=int, default=None, help='only the first K problems (default: every problem)')
     _method_flags(p)
     p.add_argument('--concurrency', type=int, default=4, help='problems run at the same time (default: 4)')
+    p.add_argument('--progress-every', dest='progress_every', type=float, default=30.0, metavar='SECONDS',
+                   help='when stderr is a log (not a terminal): one progress line every SECONDS (default: 30)')
     p.add_argument('--config', default=None, help="JSON file of method settings (or a run's config.json); may hold role_endpoints")
     add_settings(p, OutputSettings, skip=('json',), title='output')
     controller_cli(p)

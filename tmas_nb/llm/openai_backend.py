@@ -232,6 +232,7 @@ class OpenAIBackend(LLM):
         self.stats = dict(http_calls=0, retries=0, top_up_calls=0, split_calls=0, n_refusals=0,
                           estimated_samples=0, tokenize_calls=0, failures=0)
         self.errors = collections.deque(maxlen=100)    # (time, request, error) of failed attempts, newest last
+        self.in_flight = 0                             # HTTP calls on the wire now (a progress line shows it)
         self._per_loop = weakref.WeakKeyDictionary()   # event loop -> (httpx.AsyncClient, Semaphore, Lock)
         if self.model is None and discover: self._discover_now()
 
@@ -362,9 +363,10 @@ async def _call(self:OpenAIBackend, method: str, path: str, body: dict | None, r
         wait, status = None, None
         try:
             async with sem:
-                self.stats['http_calls'] += 1
-                resp = await (client.post(path, json=body, headers=headers) if method == 'POST'
-                              else client.get(path, headers=headers))
+                self.stats['http_calls'] += 1; self.in_flight += 1
+                try: resp = await (client.post(path, json=body, headers=headers) if method == 'POST'
+                                   else client.get(path, headers=headers))
+                finally: self.in_flight -= 1
             status = resp.status_code
             if status < 400:
                 try: return resp.json()
