@@ -129,6 +129,7 @@ class Verification:
     texts: list[str] = field(default_factory=list)
     scores: list[float] = field(default_factory=list)
     unparsed: int = 0
+    per_review: list | None = None        # the score (or None) of each text, in order, as `verify` read them
 
     @property
     def mean_score(self) -> float | None:
@@ -137,6 +138,7 @@ class Verification:
 
     def reviews(self) -> list[tuple[str, float | None]]:
         "(text, score or None) per review, in order."
+        if self.per_review is not None and len(self.per_review) == len(self.texts): return list(zip(self.texts, self.per_review))
         return [(t, parse_verification_score(t)) for t in self.texts]
 
 # %% ../nbs/21_agents.ipynb #2f117358
@@ -151,8 +153,9 @@ async def verify(llm: LLM, ctx: AgentContext, solution: str, candidate: int, n_v
     msgs = render_verification_messages(ctx.question, solution, templates=ctx.templates)
     [cs] = await llm.generate([ctx.request(msgs, 'verification', candidate, n=n_verifications)])
     texts = [c.text if not c.truncated else '(this review was cut off by the token limit)' for c in cs]
-    scores = [s for s in (parse_verification_score(t) for t in texts) if s is not None]
-    return Verification(texts, scores, len(texts) - len(scores))
+    each = [parse_verification_score(t) for t in texts]      # read once: the summary's prompt reuses them
+    scores = [s for s in each if s is not None]
+    return Verification(texts, scores, len(texts) - len(scores), each)
 
 # %% ../nbs/21_agents.ipynb #4f86bc3a
 async def summarize(llm: LLM, ctx: AgentContext, solution: str, verification: Verification, candidate: int,

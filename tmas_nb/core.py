@@ -118,9 +118,9 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     return atomic_write_bytes(path, text.encode('utf-8'))
 
 # %% ../nbs/00_core.ipynb #19b8a5ab
-def atomic_write_json(path: str | os.PathLike, obj, **kw) -> Path:
-    "Write `obj` as indented JSON to `path` atomically."
-    return atomic_write_text(path, json.dumps(obj, indent=2, ensure_ascii=False, **kw) + '\n')
+def atomic_write_json(path: str | os.PathLike, obj, indent: int | None = 2, **kw) -> Path:
+    "Write `obj` as JSON (indented; `indent=None`: compact, for large machine-read files) to `path` atomically."
+    return atomic_write_text(path, json.dumps(obj, indent=indent, ensure_ascii=False, **kw) + '\n')
 
 # %% ../nbs/00_core.ipynb #aa0f392c
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:

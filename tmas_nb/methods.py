@@ -613,7 +613,7 @@ def read_problem_checkpoints(run_dir, problem_id: str, last_only: bool = False) 
 def _write_iteration(run_dir, banks: dict, bank_files: dict, checkpoint: Path, payload: dict):
     "Save an iteration's banks, then its checkpoint (each written and synced whole), off the event loop."
     for name, bank in banks.items(): bank.save(Path(run_dir) / bank_files[name])
-    atomic_write_json(checkpoint, payload)
+    atomic_write_json(checkpoint, payload, indent=None)   # compact: the C encoder (indented JSON is encoded in Python)
 
 # %% ../nbs/23_methods.ipynb #2042d6eb
 async def run_problem(method: Method, problem: Problem, llm: LLM, run_dir, bar=None, collect: bool = True) -> list[dict]:

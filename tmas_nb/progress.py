@@ -98,13 +98,15 @@ def snapshot(self:RunProgress) -> dict:
             'retried': sum(b.stats.get('retries', 0) for b in inner if isinstance(getattr(b, 'stats', None), dict))}
 
 # %% ../nbs/24e_progress.ipynb #4b3bba8a
+def _rate(x: float) -> str: return f'{x:.1f}' if x >= 1 else f'{x:.2g}'   # 152.3, 0.024
+
 @patch
 def line(self:RunProgress, s: dict | None = None) -> str:
     "'problems 3/400 | calls 12/28 | 803 in flight | 152.3 calls/s | 14.2 tokens/s | retried 2 | cut 1/5 | left ~2.0 min'."
     s = s or self.snapshot()
     parts = [f"problems {s['problems_done']}/{s['problems']}"] if s.get('problems') is not None else []
     parts += [f"calls {s['calls']}/{s['calls_planned'] if s['calls_planned'] is not None else '?'}",
-              f"{s['calls_in_flight']} in flight", f"{s['calls_per_s']:.1f} calls/s", f"{s['tokens_per_s']:.1f} tokens/s",
+              f"{s['calls_in_flight']} in flight", f"{_rate(s['calls_per_s'])} calls/s", f"{s['tokens_per_s']:.1f} tokens/s",
               f"retried {s['retried']}", f"cut {s['truncated']}/{s['samples']}",
               f"left ~{fmt_seconds(s['eta_s'])}" if s['eta_s'] is not None else 'left unknown']
     return ' | '.join(parts)
@@ -163,7 +165,7 @@ def watch_lines(status: dict) -> list[str]:
     if p.get('problems') is not None:
         out.append(f"  problems {p['problems_done']}/{p['problems']} done, problem-iterations {p['iterations_done']}/{p['iterations_planned']}")
     if 'calls_in_flight' in p:
-        out.append(f"  {p['calls_in_flight']} calls in flight, {p['calls_per_s']:.1f} calls/s, {p['retried']} errors retried")
+        out.append(f"  {p['calls_in_flight']} calls in flight, {_rate(p['calls_per_s'])} calls/s, {p['retried']} errors retried")
     eta = fmt_seconds(p['eta_s']) if p.get('eta_s') is not None else 'unknown'
     out.append(f"  {p['tokens_per_s']:.1f} tokens/s, {p['truncated']}/{p['samples']} outputs cut, left ~{eta}")
     return out

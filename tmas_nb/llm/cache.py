@@ -4,7 +4,7 @@
 
 # %% ../../nbs/14_llm_cache.ipynb #97610c73
 from __future__ import annotations
-import asyncio, hashlib, json, os, sqlite3, threading, time
+import asyncio, hashlib, json, os, sqlite3, threading, time, weakref
 from dataclasses import replace
 from pathlib import Path
 from fastcore.basics import patch
@@ -12,7 +12,7 @@ from fastcore.basics import patch
 from .core import LLM, Request, Completion
 
 # %% auto #0
-__all__ = ['cache_key', 'DamagedCache', 'open_cache_db', 'CompletionStore', 'CachedLLM']
+__all__ = ['cache_key', 'DamagedCache', 'open_cache_db', 'CompletionStore', 'StoreBatcher', 'CachedLLM']
 
 # %% ../../nbs/14_llm_cache.ipynb #12b8d755
 def cache_key(model_id: str, request: Request, sample_index: int) -> str:
@@ -83,12 +83,15 @@ class CompletionStore:
 
 # %% ../../nbs/14_llm_cache.ipynb #a009cbad
 @patch
-def put_many(self:CompletionStore, model_id: str, request: Request, samples: list[tuple[str, int, Completion]]):
-    "Store `(key, sample index, completion)` of one request's samples in one transaction (a key already present is kept)."
-    req, now, rows = json.dumps(request.to_dict(), ensure_ascii=False), time.time(), []
-    for key, i, c in samples:
-        d = c.to_dict(); d['cached'] = False
-        rows.append((key, model_id, int(i), req, json.dumps(d, ensure_ascii=False), now))
+def put_many(self:CompletionStore, model_id: str, request: Request, samples: list[tuple[str, int, Completion]],
+             more: list | None = None):
+    "Store `(key, sample index, completion)` of one request's samples in one transaction (a key already present is kept); `more` = further `(model_id, request, samples)` in the same transaction."
+    now, rows = time.time(), []
+    for mid, r, ss in [(model_id, request, samples), *(more or ())]:
+        req = json.dumps(r.to_dict(), ensure_ascii=False)
+        for key, i, c in ss:
+            d = c.to_dict(); d['cached'] = False
+            rows.append((key, mid, int(i), req, json.dumps(d, ensure_ascii=False), now))
     with self._lock:
         self._db.execute('BEGIN IMMEDIATE')
         try:
@@ -96,6 +99,42 @@ def put_many(self:CompletionStore, model_id: str, request: Request, samples: lis
             self._db.execute('COMMIT')
         except BaseException:
             self._db.execute('ROLLBACK'); raise
+
+# %% ../../nbs/14_llm_cache.ipynb #54a9cbe2
+class StoreBatcher:
+    "Lookups and writes of a `CompletionStore` from one event loop, served in batches: one worker-thread trip and one transaction per batch."
+    def __init__(self, store: CompletionStore):
+        self.store, self.queue, self.task, self.trips = store, [], None, 0
+
+    async def _ask(self, op: tuple):
+        fut = asyncio.get_running_loop().create_future()
+        self.queue.append((op, fut))
+        if self.task is None: self.task = asyncio.ensure_future(self._serve())
+        return await fut
+
+    async def get_many(self, keys: list[str]) -> dict[str, Completion]: return await self._ask(('get', keys))
+    async def put_many(self, model_id: str, request: Request, samples: list) -> None: await self._ask(('put', (model_id, request, samples)))
+
+    async def _serve(self):
+        try:
+            while self.queue:
+                batch, self.queue = self.queue, []
+                self.trips += 1
+                try: results = await asyncio.to_thread(self._run, [op for op, _ in batch])
+                except Exception as e: results = [e] * len(batch)
+                for (_, fut), r in zip(batch, results):
+                    if fut.done(): continue
+                    if isinstance(r, Exception): fut.set_exception(r)
+                    else: fut.set_result(r)
+        finally: self.task = None
+
+    def _run(self, ops: list[tuple]) -> list:
+        "In the worker thread: every write in one transaction, then every lookup in one query per 500 keys."
+        puts = [a for kind, a in ops if kind == 'put']
+        if puts: self.store.put_many(*puts[0], more=puts[1:])
+        keys = [k for kind, a in ops if kind == 'get' for k in a]
+        found = self.store.get_many(list(dict.fromkeys(keys))) if keys else {}
+        return [None if kind == 'put' else {k: found[k] for k in a if k in found} for kind, a in ops]
 
 # %% ../../nbs/14_llm_cache.ipynb #e92d79b6
 class CachedLLM(LLM):
@@ -106,11 +145,18 @@ class CachedLLM(LLM):
         self.path = self.store.path
         self.hits = self.misses = 0
         self._count_lock = threading.Lock()
+        self._batchers = weakref.WeakKeyDictionary()   # event loop -> StoreBatcher
+
+    def _batcher(self) -> StoreBatcher:
+        loop = asyncio.get_running_loop()
+        b = self._batchers.get(loop)
+        if b is None: b = self._batchers[loop] = StoreBatcher(self.store)
+        return b
 
     async def _one(self, request: Request) -> list[Completion]:
         model_id = self.backend.model_id_for(request) if hasattr(self.backend, 'model_id_for') else self.model_id   # per-role endpoints
         keys = [cache_key(model_id, request, i) for i in range(request.n)]
-        found = await asyncio.to_thread(self.store.get_many, keys)
+        found = await self._batcher().get_many(keys)
         missing = [i for i, k in enumerate(keys) if k not in found]
         with self._count_lock:
             self.hits += request.n - len(missing); self.misses += len(missing)
@@ -122,7 +168,7 @@ class CachedLLM(LLM):
             else:
                 fresh = (await self.backend.generate([replace(request, n=len(missing))]))[0]
             out.update(zip(missing, fresh))
-            await asyncio.to_thread(self.store.put_many, model_id, request, [(keys[i], i, c) for i, c in zip(missing, fresh)])
+            await self._batcher().put_many(model_id, request, [(keys[i], i, c) for i, c in zip(missing, fresh)])
         return [out[i] for i in range(request.n)]
 
     async def _generate(self, requests: list[Request]) -> list[list[Completion]]:
