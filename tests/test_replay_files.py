@@ -324,3 +324,68 @@ def test_forged_protocol_lines_gain_nothing(tmp_path, toy_store):
     r = evaluate_file(p, 'F', {}, toy_store, seeds=[0])
     # one seed "reported" with unrevealed answers: scored honestly as wrong at zero cost, or refused
     assert r['error'] is not None or (r['acc'] == 0 and r['unrevealed'] == 3)
+
+
+# --- seeds split over jobs: identical results, split only where provably exact ------------------------
+
+SPLIT_CASES = {
+    'Counting': ('''
+        class Counting:                  # the instance counts questions: the answer depends on every earlier seed
+            def __init__(self, config=None): self.n = 0
+            def solve(self, question):
+                self.n += 1
+                for _ in range(1 + self.n % 3): a = question.get_new_branch_final_answer()
+                return a
+    ''', [2, 1]),
+    'GlobalCount': ('''
+        SEEN = []                         # the module keeps what the instance does not
+        class GlobalCount:
+            def __init__(self, config=None): pass
+            def solve(self, question):
+                SEEN.append(1)
+                return question.probe_new()[0] if len(SEEN) % 5 else '3'
+    ''', [2, 1]),
+    'LastTrace': ('''
+        class LastTrace:                  # keeps only the last question's trace, as the authors' controllers do
+            def __init__(self, config=None): self.trace = []
+            def solve(self, question):
+                self.trace = []
+                a, i, _ = question.probe_new(); self.trace.append(a)
+                b, _ = question.probe_more(i); self.trace.append(b)
+                return b if self.config_k(a, b) else a
+            def config_k(self, a, b): return len(self.trace) == 2 and a != b
+    ''', [2]),
+}
+
+
+@pytest.mark.parametrize('cls', list(SPLIT_CASES))
+def test_jobs_identical_and_split_only_when_exact(tmp_path, toy_store, monkeypatch, cls):
+    from tmas_nb.replay import files
+    code, expect = SPLIT_CASES[cls]
+    p = write(tmp_path, f'{cls}.py', code)
+    runs, orig = [], files._run_chunks
+    monkeypatch.setattr(files, '_run_chunks', lambda job, configs, chunks, *a: runs.append(len(chunks)) or orig(job, configs, chunks, *a))
+    cfgs = [{'b': 1}, {'b': 2}]
+    one = files.evaluate_file_configs(p, cls, cfgs, toy_store, seeds=range(6), jobs=1)
+    test_runs, runs[:] = list(runs), []
+    two = files.evaluate_file_configs(p, cls, cfgs, toy_store, seeds=range(6), jobs=2)
+    assert test_runs == [1] and runs == expect          # [2]: the split was proven exact; [2, 1]: redone in one child
+    for a, b in zip(one, two):
+        assert a.error is None and b.error is None, (a.error, b.error)
+        da, db = a.to_dict(), b.to_dict()
+        da.pop('seconds'); db.pop('seconds')
+        assert da == db
+
+
+def test_discovery_cache_never_evaluates_an_unchanged_file_beta_and_store_twice(tmp_path, toy_store, monkeypatch):
+    from tmas_nb import discovery
+    from tmas_nb.settings import SandboxSettings
+    calls, orig = [], discovery.evaluate_file_configs
+    monkeypatch.setattr(discovery, 'evaluate_file_configs', lambda *a, **k: calls.append(a[2]) or orig(*a, **k))
+    p = write(tmp_path, 'method.py', SPLIT_CASES['LastTrace'][0].replace('LastTrace', discovery.CLASS_NAME))
+    ev = lambda st: discovery.cached_evaluation(tmp_path / 'cache', p, [{'beta': 0.5}, {'beta': 1}], st, [0, 1], SandboxSettings(), False)
+    first, again = ev(toy_store), ev(toy_store)
+    assert len(calls) == 1 and [r.to_dict() for r in first] == [r.to_dict() for r in again]
+    other = ReplayStore.from_records([dict(r, gold_answer='3') for r in RECS], name='toy')
+    ev(other); assert len(calls) == 2                                   # another store: evaluated
+    p.write_text(p.read_text() + '\n# edited\n'); ev(toy_store); assert len(calls) == 3   # an edited file: evaluated

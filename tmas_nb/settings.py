@@ -148,7 +148,7 @@ class SandboxSettings:
     timeout: float = setting(60.0, "wall-clock seconds per sandboxed evaluation of one configuration")
     memory_mb: int = setting(2048, "memory budget of the whole sandbox, processes and files together, in MB")
     jobs: int = setting(1, "sandboxed children splitting the seeds")
-    stateless: bool = setting(False, "an authors'-API class keeps no state between questions: seeds may be split over --jobs")
+    stateless: bool = setting(False, "an authors'-API class keeps no state between questions: split its seeds over --jobs without proving it (by default a split is kept only where state digests prove it exact)")
     sandbox: bool = setting(True, "run the file in the sandbox (--no-sandbox: trusted files only)")
 
     def __post_init__(self):

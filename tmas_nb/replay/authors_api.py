@@ -19,6 +19,7 @@ N_CODE, F_CODE = -(1 << 40), -(1 << 40) - 1   # 'N' and 'F' of an action log as 
 
 class AuthorsQuestion:
     "One question as the authors' evaluator presents it to a controller; branches shuffled by `random.Random(seed)`."
+    LOG_NEW, LOG_FULL = 'N', 'F'                     # what `log` records for probe_new and get_new_branch_final_answer
     def __init__(self, record: dict, seed: int, log: list | None = None):
         branches = list(record['each_branch'])
         random.Random(seed).shuffle(branches)
@@ -47,9 +48,12 @@ def probe_new(self:AuthorsQuestion):
     "Open the next branch and probe it once: (answer, branch index, finished)."
     i = self._opened
     if i >= len(self._branches): raise ValueError("Index out of range for branches.")
-    a, c, fin = self._explore(i)
+    probes, tokens, final = self._branches[i]          # `_explore`, inlined: this and `probe_more` are every controller's hot path
+    k = self._probed[i]                                # not always 0: probe_more may read branch `opened` first
+    if k < len(probes): self._probed[i] = k + 1; a, c, fin = probes[k], self.probe_freq, False
+    else: a, c, fin = final, max(0, tokens - self.probe_freq * k), True
     self._total += c; self._cost_per_branch[i] += c; self._opened = i + 1
-    if self._log is not None: self._log.append('N')
+    if self._log is not None: self._log.append(self.LOG_NEW)
     return a, i, fin
 
 # %% ../../nbs/06_replay_authors_api.ipynb #9ff675e7
@@ -57,7 +61,10 @@ def probe_new(self:AuthorsQuestion):
 def probe_more(self:AuthorsQuestion, index):
     "Probe branch `index` once more: (answer, finished)."
     if not index <= self._opened: raise ValueError("Index out of range for branches.")
-    a, c, fin = self._explore(index)
+    probes, tokens, final = self._branches[index]      # `_explore`, inlined
+    k = self._probed[index]
+    if k < len(probes): self._probed[index] = k + 1; a, c, fin = probes[k], self.probe_freq, False
+    else: a, c, fin = final, max(0, tokens - self.probe_freq * k), True
     self._total += c; self._cost_per_branch[index] += c
     if self._log is not None: self._log.append(int(index))
     return a, fin
@@ -69,7 +76,7 @@ def get_new_branch_final_answer(self:AuthorsQuestion):
     i = self._opened
     probes, tokens, final = self._branches[i]
     self._opened = i + 1; self._total += tokens; self._cost_per_branch[i] += tokens
-    if self._log is not None: self._log.append('F')
+    if self._log is not None: self._log.append(self.LOG_FULL)
     return final
 
 # %% ../../nbs/06_replay_authors_api.ipynb #f8444d31

@@ -4,7 +4,8 @@
 
 # %% ../../nbs/07_replay_files.ipynb #99d27a54
 from __future__ import annotations
-import ast, json, math, os, queue, shutil, signal, subprocess, sys, tempfile, threading, time, traceback, warnings, weakref
+import ast, base64, hashlib, io, json, math, os, pickle, queue, random, shutil, signal, subprocess, sys, tempfile, threading, time, traceback, types, warnings, weakref
+from array import array
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,8 +21,9 @@ from fastcore.basics import patch
 if TYPE_CHECKING: from tmas_nb.replay.store import ReplayStore   # the child stays free of NumPy unless the file needs it
 
 # %% auto #0
-__all__ = ['ControllerError', 'check_controller_source', 'static_api_of', 'child_main', 'sandbox_command', 'replay_ours_log',
-           'evaluate_file', 'evaluate_file_configs', 'evaluate_file_grid']
+__all__ = ['ControllerError', 'check_controller_source', 'static_api_of', 'pack_authors_log', 'unpack_authors_log',
+           'state_digest', 'memoise_scipy', 'child_main', 'sandbox_command', 'replay_ours_log', 'evaluate_file',
+           'evaluate_file_configs', 'evaluate_file_grid']
 
 # %% ../../nbs/07_replay_files.ipynb #ea71d218
 class ControllerError(ValueError):
@@ -91,6 +93,112 @@ def _answer_out(a):
     return a if isinstance(a, str) or a is None else {'not_a_string': _one_line(repr(a), 80)}
 
 
+# %% ../../nbs/07_replay_files.ipynb #14f11c5f
+_N32, _F32, _BAD32 = -(1 << 31), -(1 << 31) + 1, -(1 << 31) + 2   # 'N', 'F' and anything that is not an action, in a packed log
+
+class _ChildQuestion(AuthorsQuestion):
+    "The question of a sandboxed child: its log holds int32 codes from the start."
+    LOG_NEW, LOG_FULL = _N32, _F32
+
+def pack_authors_log(log: list) -> str:
+    "An authors'-API action log ('N' or `_N32`, 'F' or `_F32`, branch indices) as base64 of little-endian int32: what the child sends."
+    try: out = array('i', log)                      # a child's log: ints already
+    except (TypeError, OverflowError):
+        out = array('i', [_N32 if x == 'N' else _F32 if x == 'F' else x if type(x) is int and -(1 << 30) < x < (1 << 30) else _BAD32
+                          for x in log])
+    if sys.byteorder != 'little': out.byteswap()
+    return base64.b64encode(out.tobytes()).decode('ascii')
+
+def unpack_authors_log(packed):
+    "The int64 codes (`N_CODE`, `F_CODE`, indices) of a packed log; ValueError if it is not one."
+    import numpy as np                      # the parent's side: the child stays free of NumPy
+    if not isinstance(packed, str): raise ValueError("an action log must be a packed string")
+    a = np.frombuffer(base64.b64decode(packed, validate=True), '<i4').astype(np.int64)
+    if (a == _BAD32).any(): raise ValueError("unknown action in the action log")
+    a[a == _N32] = N_CODE; a[a == _F32] = F_CODE
+    return a
+
+
+# %% ../../nbs/07_replay_files.ipynb #6f19c66d
+_CODE_TYPES = (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType, staticmethod, classmethod,
+               property, types.MethodWrapperType, types.WrapperDescriptorType, types.MethodDescriptorType)
+
+class _StatePickler(pickle.Pickler):
+    "Pickles data; code objects are written as their names."
+    def persistent_id(self, obj):
+        if isinstance(obj, _CODE_TYPES): return f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', type(obj).__name__)}"
+        return None
+
+def _digest(obj) -> str | None:
+    buf = io.BytesIO()
+    try: _StatePickler(buf, protocol=4).dump(obj)
+    except Exception: return None
+    return hashlib.sha256(buf.getvalue()).hexdigest()[:32]
+
+def state_digest(instance, ns: dict) -> list:
+    "[digest of the instance, digest of the module's and classes' data and the global generators]; None where it cannot be pickled."
+    mod = {k: v for k, v in ns.items() if not k.startswith('__')}
+    classes = [{k: v for k, v in vars(c).items() if not k.startswith(('__', '_abc'))} for c in ns.values()
+               if isinstance(c, type) and c.__module__ == ns.get('__name__')]
+    npr = sys.modules.get('numpy.random')
+    inst = getattr(instance, '__dict__', None) if instance is not None else {}
+    return [_digest(inst) if inst is not None else None, _digest((mod, classes, random.getstate(), npr.get_state() if npr else None))]
+
+
+# %% ../../nbs/07_replay_files.ipynb #b63da426
+def _memoised(f, limit: int = 1 << 16):
+    "`f` with SciPy's value kept per tuple of plain int/float arguments (others pass through)."
+    cache = {}
+    def g(*args, **kw):
+        if kw or not all(type(a) in (int, float) for a in args): return f(*args, **kw)
+        key = tuple((type(a), a) for a in args)
+        r = cache.get(key)
+        if r is None:
+            r = f(*args)
+            if len(cache) < limit: cache[key] = r
+        return r
+    g.__wrapped__ = f
+    return g
+
+def memoise_scipy() -> None:
+    "Keep the values of `scipy.stats.beta.cdf`/`sf` on scalars, once the controller has imported SciPy (else nothing)."
+    st = sys.modules.get('scipy.stats')
+    dist = getattr(st, 'beta', None) if st is not None else None
+    if dist is None or 'cdf' in vars(dist): return
+    dist.cdf, dist.sf = _memoised(dist.cdf), _memoised(dist.sf)
+
+
+# %% ../../nbs/07_replay_files.ipynb #1e477992
+def _authors_task(cls, task: dict, records: list, emit, t: int, ns: dict, at: dict) -> None:
+    "One configuration of an authors'-API class over its seeds; with `check`, a warm-up question and state digests."
+    check = task.get('check')
+    if check: emit({'t': t, 'globals': state_digest(None, ns)[1]})
+    method = cls(config=task['config']); at['phase'] = 'running'
+    if check and task.get('warm') is not None:
+        s, qi = task['warm']
+        try: method.solve(_ChildQuestion(records[qi], s, [])); d = state_digest(method, ns)
+        except Exception: d = None
+        emit({'t': t, 'digest_start': d})
+    for s in task['seeds']:
+        at['s'], answers, logs = s, [], []
+        for qi in range(len(records)):
+            at['qi'] = qi; log = []
+            answers.append(_answer_out(method.solve(_ChildQuestion(records[qi], s, log)))); logs.append(pack_authors_log(log))
+        emit({'t': t, 's': s, 'a': answers, 'l': logs})
+        memoise_scipy()
+    if check: emit({'t': t, 'digest_end': state_digest(method, ns)})
+
+def _ours_task(cls, task: dict, store, Env, emit, t: int, at: dict) -> None:
+    "One configuration of an ours-API class: a fresh instance per question."
+    cfg = task['config']; cls(**cfg); at['phase'] = 'running'          # fail early on bad parameters
+    for s in task['seeds']:
+        at['s'], answers, logs = s, [], []
+        for qi in range(store.n_questions):
+            at['qi'] = qi; env = Env(store, qi, seed=s)
+            answers.append(_answer_out(cls(**cfg).run(env))); logs.append(env.codes)
+        emit({'t': t, 's': s, 'a': answers, 'l': logs})
+
+
 # %% ../../nbs/07_replay_files.ipynb #e4623aff
 def child_main(stream_in=None, stream_out=None) -> None:
     "Run one job (JSON on stdin) and write protocol lines; the controller's stdout goes to stderr."
@@ -103,8 +211,10 @@ def child_main(stream_in=None, stream_out=None) -> None:
     fname, records, api = job['filename'], job['records'], job['api']
     install_authors_shims()
     ns = {'__name__': 'controller_file', '__file__': fname}
+    random.seed(0)                                  # the global generators start alike in every child: runs repeat
     try:
         exec(compile(job['source'], fname, 'exec'), ns)
+        if 'numpy.random' in sys.modules: sys.modules['numpy.random'].seed(0)
     except MemoryError: emit({'fatal': f"{fname}: memory limit reached while loading the file"}); return
     except BaseException as e:
         emit({'fatal': _one_line(f"{fname}: loading the file failed{_where(e, fname)}: {type(e).__name__}: {e}")}); return
@@ -114,32 +224,21 @@ def child_main(stream_in=None, stream_out=None) -> None:
     if api == 'auto': api = 'authors' if hasattr(cls, 'solve') else 'ours' if hasattr(cls, 'run') else None
     if api is None: emit({'fatal': f"{fname}: class {job['class_name']!r} has neither solve(question) nor run(env)"}); return
     emit({'api': api})
+    memoise_scipy()
     if api == 'ours':
         from tmas_nb.replay.store import ReplayStore as _RS
         store = _RS.from_records(records, name='sandbox'); Env = _codes_env_class()
     for t, task in enumerate(job['tasks']):
         emit({'t': t, 'start': 1})
-        s, qi, phase = None, None, 'building'
+        at = {'phase': 'building', 's': None, 'qi': None}
         try:
-            cfg = task['config']
-            if api == 'authors': method = cls(config=cfg)
-            else: cls(**cfg)                                   # fail early on bad parameters
-            phase = 'running'
-            for s in task['seeds']:
-                answers, logs = [], []
-                for qi in range(len(records)):
-                    if api == 'authors':
-                        log = []; a = method.solve(AuthorsQuestion(records[qi], s, log))
-                        log = [N_CODE if x == 'N' else F_CODE if x == 'F' else x for x in log]
-                    else:
-                        env = Env(store, qi, seed=s); a = cls(**cfg).run(env); log = env.codes
-                    answers.append(_answer_out(a)); logs.append(log)
-                emit({'t': t, 's': s, 'a': answers, 'l': logs})
+            if api == 'authors': _authors_task(cls, task, records, emit, t, ns, at)
+            else: _ours_task(cls, task, store, Env, emit, t, at)
             emit({'t': t, 'end': 1})
         except MemoryError:
-            emit({'t': t, 'error': f"{fname}: memory limit reached ({phase} {job['class_name']}, seed {s}, question {qi})"})
+            emit({'t': t, 'error': f"{fname}: memory limit reached ({at['phase']} {job['class_name']}, seed {at['s']}, question {at['qi']})"})
         except BaseException as e:
-            where = f"{phase} {job['class_name']}" + (f" (seed {s}, question {qi})" if s is not None else '')
+            where = f"{at['phase']} {job['class_name']}" + (f" (seed {at['s']}, question {at['qi']})" if at['s'] is not None else '')
             emit({'t': t, 'error': _one_line(f"{fname}: {type(e).__name__} {where}{_where(e, fname)}: {e}")})
 
 
@@ -368,7 +467,8 @@ def _episodes(self:_Tally, t: int, m: dict) -> None:
         self.cost[t, i, q] = c
         self.correct[t, i, q] = rev and ans == st.gold_answers[q]
         self.unrevealed[t] += isinstance(ans, str) and not rev
-    if self.keep_logs and i == 0: self.logs[t] = [(a, l) for a, l in zip(m['a'], m['l'])]
+    if self.keep_logs and i == 0:
+        self.logs[t] = [(a, unpack_authors_log(l).tolist() if self.api[t] == 'authors' else l) for a, l in zip(m['a'], m['l'])]
 
 
 # %% ../../nbs/07_replay_files.ipynb #f6218e29
@@ -378,9 +478,8 @@ def _authors(self:_Tally, q: int, order: list, log: list, ans) -> tuple[int, boo
     import numpy as np
     from tmas_nb.replay.fast import authors_log_kernel
     st = self.store
-    if any(not isinstance(a, int) or isinstance(a, bool) for a in log): raise ValueError("unknown action in the action log")
     seen = np.zeros(len(st.vocab[q]) + 1, np.bool_)
-    cost, bad = authors_log_kernel(np.asarray(log, np.int64), np.asarray(order, np.int64), st.probes[q], st.n_probes[q], st.finals[q],
+    cost, bad = authors_log_kernel(unpack_authors_log(log), np.asarray(order, np.int64), st.probes[q], st.n_probes[q], st.finals[q],
                                    st.tokens[q], int(st.probe_freq[q]), seen)
     if bad >= 0: raise ValueError(f"Index out of range for branches (action {bad} of question {q})")
     a = self.vid[q].get(ans, -1) if isinstance(ans, str) else -1
@@ -407,16 +506,59 @@ def results(self:_Tally, names: list, mode: str, secs: float, n_boot: int = 2000
     return out
 
 
-# %% ../../nbs/07_replay_files.ipynb #1daee4df
-def _seed_chunks(path, seeds, jobs, static_api, stateless) -> list:
-    "The seeds of each child: one chunk unless the controller is stateless (ours, or `stateless`)."
+# %% ../../nbs/07_replay_files.ipynb #c13a9e01
+def _seed_chunks(seeds: list, jobs: int, static_api, stateless: bool) -> tuple[list, bool]:
+    "(contiguous seed chunks, whether the split must be proven exact by state digests)."
     jobs = max(1, min(int(jobs or 1), len(seeds)))
-    if jobs > 1 and static_api != 'ours' and not stateless:
-        warnings.warn(f"{path.name}: authors'-API controllers are evaluated in one job (one instance serves all seeds, as in the "
-                      "authors' evaluator); pass stateless=True / --stateless to split seeds over jobs", RuntimeWarning)
-        jobs = 1
-    return [sorted(seeds[i::jobs]) for i in range(jobs)] if jobs > 1 else [seeds]
+    if jobs == 1: return [seeds], False
+    b = [len(seeds) * i // jobs for i in range(jobs + 1)]
+    return [seeds[b[i]:b[i + 1]] for i in range(jobs)], static_api != 'ours' and not stateless
 
+def _split_exact(dig: dict, n_chunks: int, n_tasks: int) -> bool:
+    "True if the digests reported by the chunks prove that each chunk continued the serial run exactly."
+    for t in range(n_tasks):
+        g = dig.get((0, t, 'globals'))
+        if g is None or g != (dig.get((0, 0, 'globals')) if t == 0 else (dig.get((n_chunks - 1, t - 1, 'digest_end')) or [None, None])[1]):
+            return False
+        for j in range(n_chunks - 1):
+            end, start = dig.get((j, t, 'digest_end')), dig.get((j + 1, t, 'digest_start'))
+            if not end or None in end or end != start: return False
+    return True
+
+
+# %% ../../nbs/07_replay_files.ipynb #7181e643
+def _warm_kernel() -> None:
+    "Load the compiled log kernel while the children start (it takes about a second from numba's cache)."
+    try:
+        import numpy as np
+        from tmas_nb.replay.fast import authors_log_kernel
+        i32, i64 = np.zeros(1, np.int32), np.zeros(1, np.int64)     # the dtypes of a store's arrays: the same compiled version
+        authors_log_kernel(i64[:0], i64, np.zeros((1, 1), np.int32), i32, i32, i64, 1, np.zeros(1, np.bool_))
+    except Exception: pass
+
+def _run_chunks(job: dict, configs: list, chunks: list, check: bool, s: SandboxSettings, mode: str, tally) -> dict:
+    "Run one child per chunk, feed the tally, and return the state digests they reported {(chunk, task, kind): digest}."
+    msgs, dig, Q = queue.Queue(), {}, len(job['records'])
+    def worker(j, chunk):
+        tasks = [{'config': c, 'seeds': chunk, 'check': check, 'warm': [chunks[j - 1][-1], Q - 1] if check and j else None}
+                 for c in configs]
+        try:
+            for m in _run_child(dict(job, tasks=tasks), mode, s.timeout, s.memory_mb): msgs.put((j, m))
+        except Exception as e: msgs.put((j, {'t': 0, 'error': _one_line(f"{job['filename']}: evaluation failed: {type(e).__name__}: {e}")}))
+        msgs.put(None)
+    for j, c in enumerate(chunks): threading.Thread(target=worker, args=(j, c), daemon=True).start()
+    done = 0
+    while done < len(chunks):
+        item = msgs.get()
+        if item is None: done += 1; continue
+        j, m = item
+        kind = next((k for k in ('globals', 'digest_start', 'digest_end') if k in m), None)
+        if kind: dig[(j, m['t'], kind)] = m[kind]
+        else: tally.add(m)
+    return dig
+
+
+# %% ../../nbs/07_replay_files.ipynb #8c7b4c49
 def _evaluate_configs(path, class_name, configs, store, seeds, s: SandboxSettings, n_boot=2000, keep_logs=False):
     path = Path(path)
     if not path.is_file(): raise FileNotFoundError(f"controller file {path} does not exist")
@@ -430,23 +572,15 @@ def _evaluate_configs(path, class_name, configs, store, seeds, s: SandboxSetting
     err = check_controller_source(source, class_name, path.name)
     if err: return [_failed(n, store, seeds, s.api, err, mode) for n in names]
     static_api = static_api_of(source, class_name) if s.api == 'auto' else s.api
-    chunks = _seed_chunks(path, seeds, s.jobs, static_api, s.stateless)
-    nogold = _records_of(store)[1]
-    t0 = time.perf_counter(); msgs = queue.Queue()
+    chunks, check = _seed_chunks(seeds, s.jobs, static_api, s.stateless)
+    if static_api != 'ours': threading.Thread(target=_warm_kernel, daemon=True).start()
+    job = dict(filename=path.name, source=source, class_name=class_name, api=s.api, records=_records_of(store)[1])
+    t0 = time.perf_counter()
     tally = _Tally(path, store, configs, seeds, static_api, keep_logs)
-    def worker(chunk):
-        job = dict(filename=path.name, source=source, class_name=class_name, api=s.api, records=nogold,
-                   tasks=[{'config': c, 'seeds': chunk} for c in configs])
-        try:
-            for m in _run_child(job, mode, s.timeout, s.memory_mb): msgs.put(m)
-        except Exception as e: msgs.put({'t': 0, 'error': _one_line(f"{path.name}: evaluation failed: {type(e).__name__}: {e}")})
-        msgs.put(None)
-    for c in chunks: threading.Thread(target=worker, args=(c,), daemon=True).start()
-    done = 0
-    while done < len(chunks):
-        m = msgs.get()
-        if m is None: done += 1
-        else: tally.add(m)
+    dig = _run_chunks(job, configs, chunks, check, s, mode, tally)
+    if check and tally.api[0] == 'authors' and not _split_exact(dig, len(chunks), len(configs)):
+        tally = _Tally(path, store, configs, seeds, static_api, keep_logs)   # state carries over: the serial run, as jobs=1
+        _run_chunks(job, configs, [seeds], False, s, mode, tally)
     return tally.results(names, mode, time.perf_counter() - t0, n_boot)
 
 
