@@ -83,9 +83,11 @@ def test_a_run_logs_one_progress_line_per_interval(slow, tmp_path, data_root):
     assert all(got), lines
     in_flight = [int(m.group(3)) for m in got]
     assert max(in_flight) >= 10, lines                                  # the twenty problems' calls held by the server at once
-    assert int(got[-1].group(4)) <= 3 and max(int(m.group(4)) for m in got) >= 1, lines
+    # at least the three refusals; a loaded machine may add retried transport errors (a kept-alive connection closed)
+    assert int(got[-1].group(4)) >= 3, lines
     st = json.loads((tmp_path / 'r' / 'status.json').read_text())['progress']
-    assert (st['problems_done'], st['problems'], st['calls'], st['calls_in_flight'], st['retried']) == (20, 20, 20, 0, 3), st
+    assert (st['problems_done'], st['problems'], st['calls'], st['calls_in_flight']) == (20, 20, 20, 0), st
+    assert st['retried'] == int(got[-1].group(4)), (st, lines[-1])
     assert st['iterations_done'] == st['iterations_planned'] == 20 and st['calls_per_s'] > 0
 
 
