@@ -155,7 +155,7 @@ def _sleepy(*args):
 
 
 def test_timeout_counts_as_wrong_and_recovers(monkeypatch, caplog):
-    shutdown_pool()
+    shutdown_pool(); grading.clear_grading_memo()
     monkeypatch.setattr(grading, 'math_equal_job', _sleepy)
     with caplog.at_level(logging.WARNING, logger='tmas_nb.grading'):
         r = grade_detail(r'\boxed{1}', '1', timeout=1)
@@ -163,6 +163,22 @@ def test_timeout_counts_as_wrong_and_recovers(monkeypatch, caplog):
     assert 'took over 1 s' in caplog.text
     monkeypatch.undo()
     assert grade(r'\boxed{1}', '1')
+
+
+def test_each_distinct_comparison_runs_once_and_a_timeout_is_not_remembered(monkeypatch):
+    "Eight candidates with two distinct answers cost two comparisons; a verdict from a time-out is asked again."
+    grading.clear_grading_memo()
+    texts = [r'\boxed{\frac{2}{4}}', r'\boxed{0.25}'] * 4
+    assert grade_many(texts, ['0.5'] * 8) == [True, False] * 4
+    assert dict(grading.COMPARISONS) == {'run': 2, 'remembered': 6}
+    assert grade_many(texts[:2], ['0.5'] * 2) == [True, False]
+    assert dict(grading.COMPARISONS) == {'run': 2, 'remembered': 8}
+    shutdown_pool()
+    monkeypatch.setattr(grading, 'math_equal_job', _sleepy)
+    assert grade_detail(r'\boxed{7}', '7', timeout=1).reason == 'timeout after 1 s'
+    monkeypatch.undo(); shutdown_pool()
+    assert grade_detail(r'\boxed{7}', '7', timeout=1).correct      # compared again, not the remembered time-out
+    grading.clear_grading_memo()
 
 
 def test_grade_errors_are_clear():

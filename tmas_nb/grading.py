@@ -4,7 +4,7 @@
 
 # %% ../nbs/16_grading.ipynb #8b32872a
 from __future__ import annotations
-import argparse, functools, json, logging, math, multiprocessing, os, re, sys, threading, unicodedata
+import argparse, collections, functools, json, logging, math, multiprocessing, os, re, sys, threading, unicodedata
 import multiprocessing.util
 from collections.abc import Iterable
 from concurrent.futures import CancelledError, ProcessPoolExecutor, TimeoutError as FutureTimeout
@@ -18,11 +18,11 @@ from .llm.core import Request, split_thinking, TRUNCATED_NOTE
 math_verify = lazy_import('math_verify')   # 0.85 s to import (it pulls sympy): loaded on the first math comparison
 
 # %% auto #0
-__all__ = ['math_verify', 'MAX_LOG_CHARS', 'MAX_PARTS', 'DEFAULT_TIMEOUT', 'JUDGE_PROMPT', 'JUDGE_MAX_CHARS',
-           'extract_answer_detail', 'extract_answer', 'clean_answer', 'answer_kind', 'normalize_text', 'text_equal',
-           'choice_equal', 'split_parts', 'math_equal_job', 'start_pool', 'shutdown_pool', 'check_timeout',
-           'GradeResult', 'grade_many_detail', 'grade_many', 'grade_detail', 'grade', 'parse_verdict', 'judge_messages',
-           'judge', 'pass_at_1', 'grade_cli']
+__all__ = ['math_verify', 'MAX_LOG_CHARS', 'MAX_PARTS', 'DEFAULT_TIMEOUT', 'MEMO_SIZE', 'COMPARISONS', 'JUDGE_PROMPT',
+           'JUDGE_MAX_CHARS', 'extract_answer_detail', 'extract_answer', 'clean_answer', 'answer_kind',
+           'normalize_text', 'text_equal', 'choice_equal', 'split_parts', 'math_equal_job', 'start_pool',
+           'shutdown_pool', 'clear_grading_memo', 'check_timeout', 'GradeResult', 'grade_many_detail', 'grade_many',
+           'grade_detail', 'grade', 'parse_verdict', 'judge_messages', 'judge', 'pass_at_1', 'grade_cli']
 
 # %% ../nbs/16_grading.ipynb #290e9f49
 _BOX_CMD = re.compile(r'\\(?:boxed|fbox)(?![A-Za-z])')
@@ -357,6 +357,40 @@ def _run_math_jobs(jobs: list[tuple[str, str]], timeout: float, progress: bool =
     if bar is not None: bar.update(len(jobs) - bar.n); bar.close()
     return results
 
+# %% ../nbs/16_grading.ipynb #331fb070
+MEMO_SIZE = 100_000
+"Most comparisons `grade_many_detail` remembers per process (least recently used dropped first)."
+
+_MEMO: collections.OrderedDict = collections.OrderedDict()
+_MEMO_LOCK = threading.Lock()
+COMPARISONS = collections.Counter()
+"How many math comparisons ran in the pool (`run`) and how many were answered from the memo (`remembered`)."
+
+def _keep(verdict: tuple[bool, str]) -> bool:
+    "A verdict that does not depend on the machine: not a time-out, a dead worker or an exception."
+    return not verdict[1].startswith(('timeout', 'worker died', 'error:'))
+
+def clear_grading_memo():
+    "Forget every remembered comparison and zero `COMPARISONS`."
+    with _MEMO_LOCK: _MEMO.clear(); COMPARISONS.clear()
+
+def _remembered_jobs(jobs: list[tuple[str, str]], timeout: float, progress: bool = False) -> list[tuple[bool, str]]:
+    "`_run_math_jobs` with each distinct `(gold, pred)` compared once: repeats in the batch and comparisons made before are not sent again."
+    keys = [(g, p, timeout) for g, p in jobs]
+    with _MEMO_LOCK:
+        known = {k: _MEMO[k] for k in set(keys) if k in _MEMO}
+        for k in known: _MEMO.move_to_end(k)
+    todo = list(dict.fromkeys(k for k in keys if k not in known))
+    if todo:
+        out = _run_math_jobs([(g, p) for g, p, _ in todo], timeout, progress=progress)
+        known.update(zip(todo, out))
+        with _MEMO_LOCK:
+            for k, v in zip(todo, out):
+                if _keep(v): _MEMO[k] = v
+            while len(_MEMO) > MEMO_SIZE: _MEMO.popitem(last=False)
+    with _MEMO_LOCK: COMPARISONS.update(run=len(todo), remembered=len(keys) - len(todo))
+    return [known[k] for k in keys]
+
 # %% ../nbs/16_grading.ipynb #03e8abb1
 def check_timeout(timeout, name: str = 'timeout') -> float:
     "`timeout` as float seconds when it is a finite number above 0; else an error naming `name` (e.g. '--timeout')."
@@ -415,7 +449,7 @@ def grade_many_detail(preds, golds, finish_reasons=None, timeout: float = DEFAUL
     if len(frs) != len(preds): raise ValueError(f"grade_many: {len(frs)} finish reasons for {len(preds)} predictions")
     prepared = [_prepare(p, g, f, extract_truncated) for p, g, f in zip(preds, golds, frs)]
     idx = [i for i, (_, job) in enumerate(prepared) if job is not None]
-    out = _run_math_jobs([prepared[i][1] for i in idx], timeout, progress=len(idx) >= 200 if progress is None else progress)
+    out = _remembered_jobs([prepared[i][1] for i in idx], timeout, progress=len(idx) >= 200 if progress is None else progress)
     results = [r for r, _ in prepared]
     for i, (ok, why) in zip(idx, out): results[i].correct, results[i].reason = ok, why
     return results
