@@ -389,3 +389,26 @@ def test_discovery_cache_never_evaluates_an_unchanged_file_beta_and_store_twice(
     other = ReplayStore.from_records([dict(r, gold_answer='3') for r in RECS], name='toy')
     ev(other); assert len(calls) == 2                                   # another store: evaluated
     p.write_text(p.read_text() + '\n# edited\n'); ev(toy_store); assert len(calls) == 3   # an edited file: evaluated
+
+
+def test_discovery_cache_evaluates_only_the_configurations_it_lacks(tmp_path, toy_store, monkeypatch):
+    from tmas_nb import discovery
+    from tmas_nb.settings import SandboxSettings
+    calls, orig = [], discovery.evaluate_file_configs
+    monkeypatch.setattr(discovery, 'evaluate_file_configs', lambda *a, **k: calls.append([c['beta'] for c in a[2]]) or orig(*a, **k))
+    p = write(tmp_path, 'method.py', f'''
+        class {discovery.CLASS_NAME}:             # reads 1 + 2*beta whole branches: the cost grows with beta
+            def __init__(self, config=None): self.n = 1 + round(2 * (config or {{}}).get('beta', 0))
+            def solve(self, question):
+                answers = [question.get_new_branch_final_answer() for _ in range(self.n)]
+                return max(answers, key=answers.count)
+    ''')
+    ev = lambda betas, cache='cache': discovery.cached_evaluation(tmp_path / cache, p, [{'beta': b} for b in betas], toy_store, [0, 1, 2],
+                                                                   SandboxSettings(), False)
+    two, three, back = ev([0, 0.5]), ev([0, 0.5, 1]), ev([1, 0])
+    assert calls == [[0, 0.5], [1]]                                  # the added beta alone, once; a reordered list is read back
+    fresh = ev([0, 0.5, 1], 'fresh')                                 # an empty cache: the three in one call
+    assert calls[-1] == [0, 0.5, 1]
+    plain = lambda rs: [dict(r.to_dict(), seconds=None) for r in rs]
+    assert all(r.error is None for r in fresh) and len({r.avg_tokens for r in fresh}) == 3   # three different results
+    assert plain(three) == plain(fresh) and plain(two) == plain(fresh[:2]) and plain(back) == plain([fresh[2], fresh[0]])

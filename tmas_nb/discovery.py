@@ -269,15 +269,18 @@ def store_digest(store: ReplayStore) -> str:
     return d
 
 def cached_evaluation(cache: Path, code_path: Path, configs: list, store: ReplayStore, seeds: list, s: SandboxSettings, keep_logs: bool) -> list[EvalResult]:
-    "`evaluate_file_configs` through the run's cache."
-    key = _sha(Path(code_path).read_bytes().decode('utf-8', 'replace'), CLASS_NAME, configs, store_digest(store), list(seeds), s.api, keep_logs)
-    f = Path(cache) / f'{key}.json'
-    if f.exists(): return [EvalResult.from_dict(d) for d in json.loads(f.read_text())]
-    res = [r.to_dict() for r in evaluate_file_configs(code_path, CLASS_NAME, configs, store, seeds, s, keep_logs=keep_logs)]
-    res = json.loads(json.dumps(json_ready(res)))
-    if not any(r.get('error') and 'timed out' in r['error'] for r in res):     # a timeout may be the machine's load: not cached
-        f.parent.mkdir(parents=True, exist_ok=True); atomic_write_json(f, json_ready(res))
-    return [EvalResult.from_dict(d) for d in res]
+    "`evaluate_file_configs` through the run's cache: one entry per configuration; the missing ones are evaluated in one call."
+    code, dig, seeds = Path(code_path).read_bytes().decode('utf-8', 'replace'), store_digest(store), list(seeds)
+    files = [Path(cache) / f"{_sha(code, CLASS_NAME, c, dig, seeds, s.api, keep_logs)}.json" for c in configs]
+    got = {i: json.loads(f.read_text()) for i, f in enumerate(files) if f.exists()}
+    todo = [i for i in range(len(configs)) if i not in got]
+    if todo:
+        res = [r.to_dict() for r in evaluate_file_configs(code_path, CLASS_NAME, [configs[i] for i in todo], store, seeds, s, keep_logs=keep_logs)]
+        for i, r in zip(todo, json.loads(json.dumps(json_ready(res)))):
+            got[i] = r
+            if not (r.get('error') and 'timed out' in r['error']):     # a timeout may be the machine's load: not cached
+                files[i].parent.mkdir(parents=True, exist_ok=True); atomic_write_json(files[i], r)
+    return [EvalResult.from_dict(got[i]) for i in range(len(configs))]
 
 
 # %% ../nbs/40_discovery.ipynb #4f8e151e
