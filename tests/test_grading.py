@@ -158,11 +158,11 @@ def test_timeout_counts_as_wrong_and_recovers(monkeypatch, caplog):
     shutdown_pool(); grading.clear_grading_memo()
     monkeypatch.setattr(grading, 'math_equal_job', _sleepy)
     with caplog.at_level(logging.WARNING, logger='tmas_nb.grading'):
-        r = grade_detail(r'\boxed{1}', '1', timeout=1)
+        r = grade_detail(r'\boxed{0.5}', '1/2', timeout=1)
     assert (r.correct, r.reason) == (False, 'timeout after 1 s')
     assert 'took over 1 s' in caplog.text
     monkeypatch.undo()
-    assert grade(r'\boxed{1}', '1')
+    assert grade(r'\boxed{0.5}', '1/2')
 
 
 def test_each_distinct_comparison_runs_once_and_a_timeout_is_not_remembered(monkeypatch):
@@ -175,9 +175,10 @@ def test_each_distinct_comparison_runs_once_and_a_timeout_is_not_remembered(monk
     assert dict(grading.COMPARISONS) == {'run': 2, 'remembered': 8}
     shutdown_pool()
     monkeypatch.setattr(grading, 'math_equal_job', _sleepy)
-    assert grade_detail(r'\boxed{7}', '7', timeout=1).reason == 'timeout after 1 s'
+    assert grade_detail(r'\boxed{0.7}', '0.7', timeout=1).reason == 'timeout after 1 s'
     monkeypatch.undo(); shutdown_pool()
-    assert grade_detail(r'\boxed{7}', '7', timeout=1).correct      # compared again, not the remembered time-out
+    assert grade_detail(r'\boxed{0.7}', '0.7', timeout=1).correct      # compared again, not the remembered time-out
+    assert grade_detail(r'\boxed{7}', '7').reason == 'integers'
     grading.clear_grading_memo()
 
 

@@ -374,12 +374,23 @@ def clear_grading_memo():
     "Forget every remembered comparison and zero `COMPARISONS`."
     with _MEMO_LOCK: _MEMO.clear(); COMPARISONS.clear()
 
+_INTEGER = re.compile(r'\s*[-+]?\d+\s*')
+
+def _integer_verdict(gold: str, pred: str) -> tuple[bool, str] | None:
+    "Two whole numbers (a prediction's thousands separators allowed, as `math_equal_job` reads it) compared as numbers; None for anything else."
+    if ',' not in gold and ';' not in gold: pred = _plain_number(pred.strip())
+    if _INTEGER.fullmatch(gold) and _INTEGER.fullmatch(pred): return int(gold) == int(pred), 'integers'
+    return None
+
 def _remembered_jobs(jobs: list[tuple[str, str]], timeout: float, progress: bool = False) -> list[tuple[bool, str]]:
-    "`_run_math_jobs` with each distinct `(gold, pred)` compared once: repeats in the batch and comparisons made before are not sent again."
+    "`_run_math_jobs` with each distinct `(gold, pred)` compared once: repeats in the batch and comparisons made before are not sent again; two whole numbers are compared here."
     keys = [(g, p, timeout) for g, p in jobs]
+    whole = {k: v for k in set(keys) if (v := _integer_verdict(k[0], k[1])) is not None}
     with _MEMO_LOCK:
+        if whole: COMPARISONS.update(integers=sum(k in whole for k in keys))
         known = {k: _MEMO[k] for k in set(keys) if k in _MEMO}
         for k in known: _MEMO.move_to_end(k)
+        known.update(whole)
     todo = list(dict.fromkeys(k for k in keys if k not in known))
     if todo:
         out = _run_math_jobs([(g, p) for g, p, _ in todo], timeout, progress=progress)
@@ -388,7 +399,7 @@ def _remembered_jobs(jobs: list[tuple[str, str]], timeout: float, progress: bool
             for k, v in zip(todo, out):
                 if _keep(v): _MEMO[k] = v
             while len(_MEMO) > MEMO_SIZE: _MEMO.popitem(last=False)
-    with _MEMO_LOCK: COMPARISONS.update(run=len(todo), remembered=len(keys) - len(todo))
+    with _MEMO_LOCK: COMPARISONS.update(run=len(todo), remembered=sum(k not in whole for k in keys) - len(todo))
     return [known[k] for k in keys]
 
 # %% ../nbs/16_grading.ipynb #03e8abb1

@@ -341,7 +341,7 @@ def from_dict(cls:_DedupBank, d: dict, embedder: Embedder | None = None, path: A
 @patch
 def save(self:_DedupBank, path: str | os.PathLike) -> Path:
     "Write the bank to `path` atomically (a crash leaves the previous file intact)."
-    return atomic_write_json(path, self.to_dict())
+    return atomic_write_json(path, self.to_dict(), indent=None)   # compact: the C encoder; a run writes two per problem and iteration
 
 # %% ../nbs/22_memory.ipynb #2728295b
 @patch(cls_method=True)
@@ -477,7 +477,7 @@ def from_dict(cls:GuidelineBank, d: dict, embedder: Embedder | None = None, path
 @patch
 def save(self:GuidelineBank, path: str | os.PathLike) -> Path:
     "Write the bank to `path` atomically."
-    return atomic_write_json(path, self.to_dict())
+    return atomic_write_json(path, self.to_dict(), indent=None)   # compact: the C encoder; a run writes two per problem and iteration
 
 # %% ../nbs/22_memory.ipynb #6c81d54e
 @patch(cls_method=True)
