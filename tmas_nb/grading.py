@@ -300,6 +300,7 @@ def start_pool() -> ProcessPoolExecutor:
     with _POOL_LOCK:
         if _POOL is None or _POOL_PID != os.getpid():
             method = os.environ.get('TMAS_GRADING_START') or ('fork' if 'fork' in multiprocessing.get_all_start_methods() else 'spawn')
+            if method == 'fork': math_verify.parse   # import it (and SymPy) once here: forked workers inherit it instead of each importing it
             _POOL = ProcessPoolExecutor(max_workers=_pool_size(), mp_context=multiprocessing.get_context(method))
             _POOL_PID = os.getpid()
             # Inside a multiprocessing worker, Python's exit joins every child process *before* the executor's own
