@@ -135,8 +135,8 @@ Current attempts:
 Bank so far:
 {bank}
 
-Reply with one JSON object and nothing after it:
-{"verified_anchors": ["..."], "error_avoidance_heuristics": ["..."]}"""
+Reply with one JSON object and nothing after it, with your own sentences in place of the angle brackets and as many items as the attempts support:
+{"verified_anchors": ["<a fact or intermediate result that the reviews confirm>"], "error_avoidance_heuristics": ["<a rule that avoids a mistake made in an attempt above>"]}"""
 "Prompt of the experience agent (TMAS)."
 
 GUIDELINE_UPDATE_PROMPT = """You keep the list of high-level strategies that have been tried on a math problem, so that later attempts can deliberately try something different. For each current attempt, name its overall strategy in one sentence: the method, not the details (for example "place the figure in coordinates and compute", "induction on n", "find an invariant modulo 3").
@@ -152,8 +152,8 @@ Current attempts:
 Strategies tried so far:
 {guidelines}
 
-Reply with one JSON object and nothing after it:
-{"updated_guidelines": ["..."]}"""
+Reply with one JSON object and nothing after it, with your own sentences in place of the angle brackets:
+{"updated_guidelines": ["<a strategy of the list so far or a new one, one item each>"]}"""
 "Prompt of the guideline agent (TMAS)."
 
 # %% ../nbs/20_prompts.ipynb #87daff7d
@@ -573,6 +573,9 @@ GUIDELINE_KEYS = ('updated_guidelines',)
 DISTILLATION_KEYS = ('verified_propositions', 'critical_pitfalls')
 "Keys of the RSE distillation JSON answer."
 
+_PLACEHOLDER = re.compile(r'[.\s…]+|<[^<>]*>')
+"An item that only repeats a prompt's placeholder: dots, an ellipsis, or a description in angle brackets."
+
 def parse_json_lists(text: str | None, keys: Sequence[str]) -> dict[str, list[str]] | None:
     "Lists of strings under `keys` in the model's JSON answer; None when there is no object or none of the keys."
     obj = parse_json_object(text)
@@ -585,6 +588,6 @@ def parse_json_lists(text: str | None, keys: Sequence[str]) -> dict[str, list[st
         for it in v:
             if isinstance(it, Mapping): it = it.get('text', json.dumps(it, ensure_ascii=False))
             s = str(it).strip() if it is not None else ''
-            if s: items.append(s)
+            if s and not _PLACEHOLDER.fullmatch(s): items.append(s)
         out[k] = items
     return out
