@@ -30,7 +30,8 @@ __all__ = ['EMBEDDERS', 'RSE_DEDUP', 'DISTILL_CONTEXT', 'CHARS_PER_TOKEN', 'PROM
            'trajectory_chunks', 'distill_whole', 'prompt_items', 'BaselineConfig', 'candidate', 'problem_category',
            'records_frame', 'StepResult', 'Method', 'TMAS', 'RSE', 'Sampling', 'answer_clusters', 'majority_answer',
            'MajorityVote', 'SelfRefine', 'VerifyRefine', 'PaCoRe', 'make_method', 'problem_dir_name', 'checkpoint_path',
-           'bank_path', 'bank_items', 'read_checkpoints', 'read_problem_checkpoints', 'run_problem', 'run_method']
+           'bank_path', 'bank_items', 'iter_checkpoints', 'read_checkpoints', 'read_problem_checkpoints', 'run_problem',
+           'run_method']
 
 # %% ../nbs/23_methods.ipynb #7b608a4b
 EMBEDDERS = ('minilm', 'hashing')
@@ -565,28 +566,40 @@ def bank_items(name: str, bank) -> list[str]:
     return [f'{prefixes[l]}: {t}' for l in bank.LISTS for t in bank.texts(l)]
 
 # %% ../nbs/23_methods.ipynb #22cfffa5
+def _problem_checkpoints(d: Path) -> list[dict]:
+    "The checkpoints in one problem's folder, iteration 0 first; a gap or an unreadable file is an error naming the files to delete."
+    items = []
+    for f in d.glob('iter_*.json'):
+        m = re.fullmatch(r'iter_(\d+)\.json', f.name)
+        if not m: continue
+        try: payload = json.loads(f.read_text(encoding='utf-8'))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{f}: not valid JSON ({e.msg}); delete this file to redo that iteration") from None
+        if payload.get('iteration') != int(m[1]):
+            raise ValueError(f"{f}: field 'iteration' is {payload.get('iteration')!r} but the file name says {m[1]}; delete the file to redo it")
+        items.append(payload)
+    items.sort(key=lambda p: p['iteration'])
+    if items and [p['iteration'] for p in items] != list(range(len(items))):
+        raise ValueError(f"{d}: checkpoints {[p['iteration'] for p in items]} are not 0, 1, 2, ...; "
+                         f"delete the ones after the first gap to redo them")
+    return items
+
+def iter_checkpoints(run_dir, problem_ids: Sequence[str] | None = None):
+    "`(problem id, [iteration 0, 1, ...])` for every problem with checkpoints, one problem read at a time: those of `problem_ids` in that order, then the rest by folder name."
+    root = Path(run_dir) / 'checkpoints'
+    if not root.is_dir(): return
+    seen = set()
+    for pid in problem_ids or ():
+        d = root / problem_dir_name(pid)
+        if d in seen or not d.is_dir(): continue
+        seen.add(d)
+        if items := _problem_checkpoints(d): yield items[0]['problem_id'], items
+    for d in sorted(p for p in root.iterdir() if p.is_dir() and p not in seen):
+        if items := _problem_checkpoints(d): yield items[0]['problem_id'], items
+
 def read_checkpoints(run_dir) -> dict[str, list[dict]]:
     "Every checkpoint of a run, `{problem id: [iteration 0, 1, ...]}`; a gap in the iterations is an error."
-    root, out = Path(run_dir) / 'checkpoints', {}
-    if not root.is_dir(): return out
-    for d in sorted(p for p in root.iterdir() if p.is_dir()):
-        items = []
-        for f in d.glob('iter_*.json'):
-            m = re.fullmatch(r'iter_(\d+)\.json', f.name)
-            if not m: continue
-            try: payload = json.loads(f.read_text(encoding='utf-8'))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{f}: not valid JSON ({e.msg}); delete this file to redo that iteration") from None
-            if payload.get('iteration') != int(m[1]):
-                raise ValueError(f"{f}: field 'iteration' is {payload.get('iteration')!r} but the file name says {m[1]}; delete the file to redo it")
-            items.append(payload)
-        items.sort(key=lambda p: p['iteration'])
-        if not items: continue
-        if [p['iteration'] for p in items] != list(range(len(items))):
-            raise ValueError(f"{d}: checkpoints {[p['iteration'] for p in items]} are not 0, 1, 2, ...; "
-                             f"delete the ones after the first gap to redo them")
-        out[items[0]['problem_id']] = items
-    return out
+    return dict(iter_checkpoints(run_dir))
 
 # %% ../nbs/23_methods.ipynb #a2bc090f
 def _grade(texts: list[str], golds: list[str], finish_reasons: list[str], extract_truncated: bool = False):

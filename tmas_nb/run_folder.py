@@ -4,7 +4,7 @@
 
 # %% ../nbs/24a_run_folder.ipynb #a80b1295
 from __future__ import annotations
-import datetime, io, json, os, platform, re, sys
+import datetime, io, json, os, platform, re, sys, tempfile
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -17,16 +17,16 @@ import pyarrow as pa, pyarrow.parquet as pq
 import tmas_nb
 from .llm.models import canonical_model_name
 
-from .core import LOCK_FILE, atomic_write_bytes, atomic_write_json, lock_holder
-from .methods import RECORD_COLUMNS, MethodConfig, read_checkpoints, records_frame
+from .core import LOCK_FILE, atomic_write_bytes, atomic_write_json, file_mode, lock_holder
+from .methods import RECORD_COLUMNS, MethodConfig, iter_checkpoints, read_checkpoints, records_frame
 
 # %% auto #0
-__all__ = ['RUN_FILES', 'FINISHED_FILES', 'BANK_COLUMNS', 'IDENTITY_KEYS', 'CALL_COLUMNS', 'TMAS_VARIANTS', 'record_schema',
-           'bank_schema', 'write_parquet', 'versions', 'call_schema', 'RunConfigMismatch', 'run_config',
-           'check_run_folder', 'prepare_run_dir', 'collect_run', 'collect_calls', 'calls_frame', 'write_judge_columns',
-           'finish_run', 'write_status', 'read_status', 'judge_columns', 'grading_label', 'carry_forward',
-           'pass_at_1_by_iteration', 'tmas_variant', 'run_label', 'best_candidates', 'Run', 'endpoint_of',
-           'tokens_by_endpoint', 'banks_frame', 'load_run']
+__all__ = ['RUN_FILES', 'FINISHED_FILES', 'BANK_COLUMNS', 'IDENTITY_KEYS', 'ROWS_PER_GROUP', 'CALL_COLUMNS', 'TMAS_VARIANTS',
+           'record_schema', 'bank_schema', 'write_parquet', 'ParquetRows', 'versions', 'call_schema',
+           'RunConfigMismatch', 'run_config', 'check_run_folder', 'prepare_run_dir', 'collect_run', 'collect_calls',
+           'calls_frame', 'write_judge_columns', 'finish_run', 'write_status', 'read_status', 'judge_columns',
+           'grading_label', 'carry_forward', 'pass_at_1_by_iteration', 'tmas_variant', 'run_label', 'best_candidates',
+           'Run', 'endpoint_of', 'tokens_by_endpoint', 'banks_frame', 'load_run']
 
 # %% ../nbs/24a_run_folder.ipynb #e90ea9e1
 RUN_FILES = ('config.json', 'calls.sqlite', 'checkpoints', 'banks', 'records.parquet', 'banks.parquet', 'calls.parquet',
@@ -54,6 +54,35 @@ def write_parquet(path, rows: list[dict], schema) -> Path:
     table = pa.Table.from_pylist(rows, schema=schema)
     buf = io.BytesIO(); pq.write_table(table, buf)
     return atomic_write_bytes(path, buf.getvalue())
+
+ROWS_PER_GROUP = 2000
+"Rows `ParquetRows` holds before it writes them out as one row group."
+
+class ParquetRows:
+    "A Parquet file written a row group at a time as rows come (`extend`), made visible atomically when the block ends without an error."
+    def __init__(self, path, schema, rows_per_group: int = ROWS_PER_GROUP):
+        self.path, self.schema, self.n, self.buf, self.rows = Path(path), schema, rows_per_group, [], 0
+    def __enter__(self):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, self.tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f'.{self.path.name}.', suffix='.tmp')
+        os.close(fd)
+        self.writer = pq.ParquetWriter(self.tmp, self.schema)
+        return self
+    def extend(self, rows):
+        for r in rows:
+            self.buf.append(r)
+            if len(self.buf) >= self.n: self._flush()
+    def _flush(self):
+        if self.buf: self.writer.write_table(pa.Table.from_pylist(self.buf, schema=self.schema)); self.rows += len(self.buf); self.buf = []
+    def __exit__(self, kind, exc, tb):
+        try:
+            if kind is None: self._flush()
+        finally: self.writer.close()
+        if kind is not None: os.unlink(self.tmp); return False
+        os.chmod(self.tmp, file_mode(self.path))
+        with open(self.tmp, 'rb') as f: os.fsync(f.fileno())
+        os.replace(self.tmp, self.path)
+        return False
 
 def versions() -> dict:
     "Versions of Python and the main libraries (read from package metadata, without importing them)."
@@ -142,13 +171,16 @@ def collect_run(run_dir, problem_ids: Sequence[str] | None = None, checkpoints: 
     order += [p for p in cps if p not in order]
     records, banks, usage, events = [], [], [], []
     for pid in order:
-        for cp in cps.get(pid, []):
-            records += cp['records']
-            banks += [{'problem_id': pid, 'iteration': cp['iteration'], 'bank': n, 'items': list(items),
-                       'n_items': len(items)} for n, items in cp['banks'].items()]
-            usage.append(cp['usage'])
-            events += [{'problem_id': pid, 'iteration': cp['iteration'], **u} for u in cp['memory']]
+        for cp in cps.get(pid, []): _collect_into(pid, cp, records, banks, usage, events)
     return records, banks, _sum_usage(usage), events
+
+def _collect_into(pid: str, cp: dict, records: list, banks: list, usage: list, events: list):
+    "Append one checkpoint's records, bank rows, usage and memory events."
+    records += cp['records']
+    banks += [{'problem_id': pid, 'iteration': cp['iteration'], 'bank': n, 'items': list(items),
+               'n_items': len(items)} for n, items in cp['banks'].items()]
+    usage.append(cp['usage'])
+    events += [{'problem_id': pid, 'iteration': cp['iteration'], **u} for u in cp['memory']]
 
 # %% ../nbs/24a_run_folder.ipynb #aa783abb
 def collect_calls(run_dir, problem_ids: Sequence[str] | None = None, checkpoints: dict | None = None) -> list[dict]:
@@ -156,13 +188,15 @@ def collect_calls(run_dir, problem_ids: Sequence[str] | None = None, checkpoints
     cps = read_checkpoints(run_dir) if checkpoints is None else checkpoints
     order = list(problem_ids) if problem_ids is not None else []
     order += [p for p in cps if p not in order]
-    name, out = Path(run_dir).resolve().name, []
-    for cp in (cp for pid in order for cp in cps.get(pid, [])):
-        prev = None
-        for c in cp.get('calls', []):
-            prev = c['prompt'] if c.get('prompt') is not None else prev
-            out.append({'run': name, **c, 'prompt': prev})
-    return out
+    name = Path(run_dir).resolve().name
+    return [row for pid in order for cp in cps.get(pid, []) for row in _call_rows(name, cp)]
+
+def _call_rows(name: str, cp: dict):
+    "One checkpoint's call rows, each with its prompt (a checkpoint writes a prompt shared with the row before once)."
+    prev = None
+    for c in cp.get('calls', []):
+        prev = c['prompt'] if c.get('prompt') is not None else prev
+        yield {'run': name, **c, 'prompt': prev}
 
 # %% ../nbs/24a_run_folder.ipynb #03ebea81
 def calls_frame(rows):
@@ -205,12 +239,16 @@ def _carried_verdicts(path: Path, records: list[dict]) -> list[list[bool]]:
     return [old[c].tolist() for c in cols]
 
 def finish_run(run_dir, cache_stats: dict | None = None) -> Path:
-    "Write `records.parquet`, `banks.parquet`, `calls.parquet` and `usage.json` from the checkpoints of `run_dir` (each read once)."
+    "Write `records.parquet`, `banks.parquet`, `calls.parquet` and `usage.json` from the checkpoints of `run_dir` (each read once, one problem at a time)."
     run_dir = Path(run_dir)
     cfg = json.loads((run_dir / 'config.json').read_text(encoding='utf-8'))
-    cps = read_checkpoints(run_dir)
-    records, banks, usage, events = collect_run(run_dir, cfg.get('problem_ids'), cps)
-    write_parquet(run_dir / 'calls.parquet', collect_calls(run_dir, cfg.get('problem_ids'), cps), call_schema())
+    records, banks, usage, events, name = [], [], [], [], run_dir.resolve().name
+    with ParquetRows(run_dir / 'calls.parquet', call_schema()) as calls:   # one problem's checkpoints in memory at a time
+        for pid, items in iter_checkpoints(run_dir, cfg.get('problem_ids')):
+            for cp in items:
+                _collect_into(pid, cp, records, banks, usage, events)
+                calls.extend(_call_rows(name, cp))
+    usage = _sum_usage(usage)
     verdicts = _carried_verdicts(run_dir / 'records.parquet', records)
     write_parquet(run_dir / 'records.parquet', records, record_schema())
     if verdicts:

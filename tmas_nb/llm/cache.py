@@ -4,7 +4,7 @@
 
 # %% ../../nbs/14_llm_cache.ipynb #97610c73
 from __future__ import annotations
-import asyncio, hashlib, json, os, sqlite3, threading, time, weakref
+import asyncio, collections, hashlib, json, os, sqlite3, threading, time, weakref
 from dataclasses import replace
 from pathlib import Path
 from fastcore.basics import patch
@@ -12,7 +12,8 @@ from fastcore.basics import patch
 from .core import LLM, Request, Completion
 
 # %% auto #0
-__all__ = ['cache_key', 'DamagedCache', 'open_cache_db', 'CompletionStore', 'StoreBatcher', 'CachedLLM']
+__all__ = ['QUICK_CHECK_MAX_BYTES', 'CACHE_CHECKS', 'cache_key', 'DamagedCache', 'open_cache_db', 'CompletionStore',
+           'StoreBatcher', 'CachedLLM']
 
 # %% ../../nbs/14_llm_cache.ipynb #12b8d755
 def cache_key(model_id: str, request: Request, sample_index: int) -> str:
@@ -27,12 +28,42 @@ def cache_key(model_id: str, request: Request, sample_index: int) -> str:
 class DamagedCache(ValueError):
     "The cache file is not a readable SQLite database."
 
+QUICK_CHECK_MAX_BYTES = 1 << 30
+"Largest cache file `open_cache_db` runs SQLite's whole-file `quick_check` on; a larger one gets the checks that cost nothing with its size."
+_CHECKED: set = set()
+_CHECKED_LOCK = threading.Lock()
+CACHE_CHECKS = collections.Counter()
+"How many files `open_cache_db` checked whole (`quick_check`) and how many by header, schema and length alone (`light`)."
+
+def _identity(path: Path):
+    try: st = path.stat()
+    except FileNotFoundError: return None
+    return (str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
+
+def _light_check(db: sqlite3.Connection, path: Path):
+    "The header and the schema read, and the file as long as its pages say (a file cut short by a full disk or a bad copy)."
+    db.execute('SELECT count(*) FROM sqlite_master').fetchone()
+    pages, size = db.execute('PRAGMA page_count').fetchone()[0], db.execute('PRAGMA page_size').fetchone()[0]
+    wal = Path(f'{path}-wal')
+    have = path.stat().st_size + (wal.stat().st_size if wal.exists() else 0)
+    if pages * size > have: raise sqlite3.DatabaseError(f'{pages} pages of {size} bytes but {have:,} bytes on disk: the file was cut short')
+
 def open_cache_db(path: Path) -> sqlite3.Connection:
-    "A connection to the cache file at `path` after SQLite's quick check; a damaged file raises `DamagedCache` and is left as it was."
+    "A connection to the cache file at `path` after a check (SQLite's quick check, once per process and version of the file); a damaged file raises `DamagedCache` and is left as it was."
+    path = Path(path)
+    ident = _identity(path)
     db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None, timeout=60)
     try:
-        row = db.execute('PRAGMA quick_check').fetchone()
-        if not row or row[0] != 'ok': raise sqlite3.DatabaseError(row[0] if row else 'no answer to the check')
+        with _CHECKED_LOCK: seen = ident is not None and ident in _CHECKED
+        if not seen:
+            if ident is not None and ident[2] > QUICK_CHECK_MAX_BYTES:
+                _light_check(db, path); CACHE_CHECKS['light'] += 1
+            else:
+                row = db.execute('PRAGMA quick_check').fetchone()
+                if not row or row[0] != 'ok': raise sqlite3.DatabaseError(row[0] if row else 'no answer to the check')
+                CACHE_CHECKS['quick_check'] += 1
+            if ident is not None:
+                with _CHECKED_LOCK: _CHECKED.add(ident)
         return db
     except sqlite3.OperationalError: db.close(); raise   # locked or unreadable: not damage
     except sqlite3.DatabaseError as e:
