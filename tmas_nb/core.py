@@ -12,9 +12,9 @@ import platformdirs
 
 # %% auto #0
 __all__ = ['DATA_HINT', 'FETCH_HINTS', 'LOCK_FILE', 'HEAVY_MODULES', 'repo_root', 'user_data_dir', 'check_data_folder',
-           'find_data_dir', 'data_dir', 'fetch_hint', 'file_mode', 'atomic_write_bytes', 'atomic_write_text',
-           'atomic_write_json', 'sha256_file', 'json_ready', 'FolderInUse', 'in_use_message', 'lock_holder',
-           'folder_lock', 'lazy_import']
+           'find_data_dir', 'data_dir', 'fetch_hint', 'file_mode', 'atomic_file', 'atomic_write_bytes',
+           'atomic_write_text', 'atomic_write_json', 'sha256_file', 'json_ready', 'FolderInUse', 'in_use_message',
+           'lock_holder', 'folder_lock', 'lazy_import']
 
 # %% ../nbs/00_core.ipynb #e9ebc090
 DATA_HINT = ("Get the AutoTTS replay stores with `tmas data fetch autotts` (or everything public with "
@@ -97,20 +97,26 @@ def file_mode(path: str | os.PathLike) -> int:
     except FileNotFoundError: return 0o666 & ~_umask()
 
 # %% ../nbs/00_core.ipynb #57ca1e9c
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    "Write `data` to `path` atomically (temporary file, fsync, rename), with the permission bits `open()` would give."
+@contextmanager
+def atomic_file(path: str | os.PathLike):
+    "A binary file to write `path` through: it replaces `path` (synced, with the permission bits `open()` would give) only when the block ends without an error."
     path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
     mode = file_mode(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f'.{path.name}.', suffix='.tmp')
     try:
         os.fchmod(fd, mode)   # mkstemp makes 0600 files; a run folder should be as readable as any other file
         with os.fdopen(fd, 'wb') as f:
-            f.write(data); f.flush(); os.fsync(f.fileno())
+            yield f
+            f.flush(); os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp): os.unlink(tmp)
         raise
-    return path
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    "Write `data` to `path` atomically (temporary file, fsync, rename), with the permission bits `open()` would give."
+    with atomic_file(path) as f: f.write(data)
+    return Path(path)
 
 # %% ../nbs/00_core.ipynb #08379853
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:

@@ -4,7 +4,7 @@
 
 # %% ../nbs/24a_run_folder.ipynb #a80b1295
 from __future__ import annotations
-import datetime, io, json, os, platform, re, sys, tempfile
+import datetime, io, json, os, platform, re, sys
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -17,7 +17,7 @@ import pyarrow as pa, pyarrow.parquet as pq
 import tmas_nb
 from .llm.models import canonical_model_name
 
-from .core import LOCK_FILE, atomic_write_bytes, atomic_write_json, file_mode, lock_holder
+from .core import LOCK_FILE, atomic_file, atomic_write_bytes, atomic_write_json, lock_holder
 from .methods import RECORD_COLUMNS, MethodConfig, iter_checkpoints, read_checkpoints, records_frame
 
 # %% auto #0
@@ -59,30 +59,26 @@ ROWS_PER_GROUP = 2000
 "Rows `ParquetRows` holds before it writes them out as one row group."
 
 class ParquetRows:
-    "A Parquet file written a row group at a time as rows come (`extend`), made visible atomically when the block ends without an error."
+    "A Parquet file written a row group at a time as rows come (`extend`), made visible atomically (`atomic_file`) when the block ends without an error."
     def __init__(self, path, schema, rows_per_group: int = ROWS_PER_GROUP):
-        self.path, self.schema, self.n, self.buf, self.rows = Path(path), schema, rows_per_group, [], 0
+        self.path, self.schema, self.n, self.buf = Path(path), schema, rows_per_group, []
     def __enter__(self):
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, self.tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f'.{self.path.name}.', suffix='.tmp')
-        os.close(fd)
-        self.writer = pq.ParquetWriter(self.tmp, self.schema)
+        self._file = atomic_file(self.path)
+        self.writer = pq.ParquetWriter(self._file.__enter__(), self.schema)
         return self
     def extend(self, rows):
         for r in rows:
             self.buf.append(r)
             if len(self.buf) >= self.n: self._flush()
     def _flush(self):
-        if self.buf: self.writer.write_table(pa.Table.from_pylist(self.buf, schema=self.schema)); self.rows += len(self.buf); self.buf = []
+        if self.buf: self.writer.write_table(pa.Table.from_pylist(self.buf, schema=self.schema)); self.buf = []
     def __exit__(self, kind, exc, tb):
         try:
             if kind is None: self._flush()
-        finally: self.writer.close()
-        if kind is not None: os.unlink(self.tmp); return False
-        os.chmod(self.tmp, file_mode(self.path))
-        with open(self.tmp, 'rb') as f: os.fsync(f.fileno())
-        os.replace(self.tmp, self.path)
-        return False
+            self.writer.close()
+        except BaseException as e:
+            self._file.__exit__(type(e), e, e.__traceback__); raise
+        return self._file.__exit__(kind, exc, tb)
 
 def versions() -> dict:
     "Versions of Python and the main libraries (read from package metadata, without importing them)."
