@@ -4,7 +4,7 @@
 
 # %% ../nbs/00_core.ipynb #ea9c8d9b
 from __future__ import annotations
-import fcntl, hashlib, importlib, math, os, json, stat, sys, tempfile, time, types
+import errno, fcntl, hashlib, importlib, math, os, json, stat, sys, tempfile, time, types
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -14,7 +14,8 @@ import platformdirs
 __all__ = ['DATA_HINT', 'FETCH_HINTS', 'LOCK_FILE', 'HEAVY_MODULES', 'repo_root', 'user_data_dir', 'check_data_folder',
            'find_data_dir', 'data_dir', 'fetch_hint', 'file_mode', 'atomic_file', 'atomic_write_bytes',
            'atomic_write_text', 'atomic_write_json', 'sha256_file', 'json_ready', 'FolderInUse', 'in_use_message',
-           'lock_holder', 'folder_lock', 'lazy_import']
+           'lock_holder', 'folder_lock', 'lazy_import', 'UntrustedFileError', 'read_untrusted', 'read_untrusted_text',
+           'terminal_safe']
 
 # %% ../nbs/00_core.ipynb #e9ebc090
 DATA_HINT = ("Get the AutoTTS replay stores with `tmas data fetch autotts` (or everything public with "
@@ -253,3 +254,46 @@ def lazy_import(name: str) -> types.ModuleType:
     if name in sys.modules: return sys.modules[name]
     return _LazyModule(name)
 
+
+# %% ../nbs/00_core.ipynb #58fa882d
+class UntrustedFileError(ValueError):
+    "A file we did not write that cannot be read safely: a link, not a regular file, too large, or not text."
+
+def read_untrusted(path: str | os.PathLike, max_bytes: int, what: str = 'file') -> bytes:
+    "The bytes of regular file `path`, opened without following a final link, at most `max_bytes`; else `UntrustedFileError`."
+    path = os.fspath(path)
+    try: fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, 'O_NOCTTY', 0) | getattr(os, 'O_CLOEXEC', 0))
+    except OSError as e:
+        why = 'is a symbolic link' if e.errno == errno.ELOOP else (e.strerror or str(e)).lower()
+        raise UntrustedFileError(f"{what} {path} {why}; it must be a regular file") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode): raise UntrustedFileError(f"{what} {path} is not a regular file; refused")
+        if st.st_size > max_bytes: raise UntrustedFileError(f"{what} {path} holds {st.st_size:,} bytes, over the limit of {max_bytes:,}")
+        chunks, n = [], 0
+        while n <= max_bytes:
+            b = os.read(fd, min(1 << 20, max_bytes + 1 - n))
+            if not b: break
+            chunks.append(b); n += len(b)
+        if n > max_bytes: raise UntrustedFileError(f"{what} {path} grew past the limit of {max_bytes:,} bytes while being read")
+        return b''.join(chunks)
+    finally: os.close(fd)
+
+def read_untrusted_text(path: str | os.PathLike, max_bytes: int, what: str = 'file') -> str:
+    "`read_untrusted` decoded as UTF-8, with one clear error when it is not."
+    data = read_untrusted(path, max_bytes, what)
+    try: return data.decode('utf-8')
+    except UnicodeDecodeError as e: raise UntrustedFileError(f"{what} {os.fspath(path)} is not UTF-8 text (byte {e.start})") from None
+
+# %% ../nbs/00_core.ipynb #b2d9f807
+def terminal_safe(text, keep_newlines: bool = True) -> str:
+    "`text` with every control character (C0, DEL, C1, bidi overrides) shown as an escape; newlines and tabs kept if asked."
+    s = str(text)
+    if s.isprintable() and (keep_newlines or ('\n' not in s and '\t' not in s)): return s
+    out = []
+    for ch in s:
+        if keep_newlines and ch in '\n\t': out.append(ch)
+        elif ch.isprintable() or ch == ' ': out.append(ch)
+        elif ord(ch) < 0x100: out.append(f'\\x{ord(ch):02x}')
+        else: out.append(f'\\u{ord(ch):04x}')
+    return ''.join(out)
