@@ -7,6 +7,7 @@ from __future__ import annotations
 import os, platform, re, shutil, signal, struct, subprocess, sys, time, uuid, warnings
 from dataclasses import dataclass
 from functools import lru_cache
+from importlib.metadata import distributions
 from pathlib import Path
 
 import tmas_nb
@@ -178,11 +179,9 @@ def python_paths() -> list[str]:
 def package_paths() -> list[str]:
     "The installed tmas_nb package and its metadata folders (which hold the README): what a coding agent must not read."
     out = [Path(tmas_nb.__file__).resolve().parent]
-    try:
-        from importlib.metadata import distributions
-        out += [Path(str(d._path)).resolve() for d in distributions() if (d.metadata['Name'] or '').replace('-', '_') == 'tmas_nb'
-                and getattr(d, '_path', None) is not None]
-    except Exception: pass
+    try: out += [Path(str(d._path)).resolve() for d in distributions() if (d.metadata['Name'] or '').replace('-', '_') == 'tmas_nb'
+                 and getattr(d, '_path', None) is not None]
+    except Exception: pass          # an installation without metadata: the package folder alone
     return list(dict.fromkeys(str(p) for p in out if p.is_dir()))
 
 SYSTEM_PATHS = ('/usr', '/lib', '/lib64', '/lib32', '/bin', '/sbin', '/etc/ld.so.cache', '/etc/alternatives')
