@@ -32,6 +32,7 @@ if k == 1: m.symlink_to('/proc/self/environ'); usage.write_text('{"tokens_in": -
 if k == 2: m.symlink_to(secret); usage.write_text('{"tokens_in": 100, "tokens_out": 10}')
 if k == 3: os.mkfifo(m)
 if k == 4: m.symlink_to('/dev/zero')
+if k == 5: m.write_text('class OptimalController:\n    def solve(self, question): return ' + ' + '.join(['1'] * 100000))   # breaks the parser
 print('left', k, flush=True)
 '''
 
@@ -52,16 +53,17 @@ def test_links_fifos_and_bad_usage_left_by_the_agent_are_refused_and_the_run_goe
     monkeypatch.setattr(sandbox, 'reclaim_tree', lambda p: reclaimed.append(Path(p)), raising=False)
     script = tmp_path / 'agent.py'; script.write_text(HOSTILE)
     cmd = ' '.join(shlex.quote(x) for x in [sys.executable, str(script), str(held_file), str(secret)])
-    cfg = DiscoveryConfig(rounds=5, train=[str(train)], heldout=[str(held_file)], seeds=2, betas=(0.0, 1.0), agent_cmd=cmd,
+    cfg = DiscoveryConfig(rounds=6, train=[str(train)], heldout=[str(held_file)], seeds=2, betas=(0.0, 1.0), agent_cmd=cmd,
                           agent_mounts=[str(script)], agent_timeout=120, price_in=3, price_out=15)
     out = tmp_path / 'run'
     s = run_discovery(None, cfg, out, progress=False)
     recs = [json.loads(l) for l in (out / 'rounds.jsonl').read_text().splitlines()]
-    assert [r['status'] for r in recs] == ['check_failed'] * 5, [(r['status'], r['error']) for r in recs]
+    assert [r['status'] for r in recs] == ['check_failed'] * 6, [(r['status'], r['error']) for r in recs]
     whys = [r['error'] for r in recs]
     assert all('symbolic link' in whys[i] for i in (0, 1, 2, 4)) and 'not a regular file' in whys[3], whys
-    assert all(r['digest'] is None and r['folder'] is None for r in recs)         # nothing archived, nothing evaluated
-    assert not list((out / 'rounds').glob('r*/method.py'))
+    assert 'nested too deeply' in whys[5], whys[5]
+    assert all(r['digest'] is None and r['folder'] is None for r in recs[:5])     # nothing read, archived or evaluated
+    assert [p.parent.name for p in (out / 'rounds').glob('r*/method.py')] == ['r0005']   # the text it wrote, kept as a record
     assert not (out / 'curves.csv').exists() or not len(pd.read_csv(out / 'curves.csv').query("split == 'search'"))
     # nothing the links pointed at is anywhere in the run folder (history, caches, the next rounds' workspaces, logs)
     markers = [b'HELDOUT-MARKER-91c2', b'ROOT-ONLY-MARKER-5d1e', *environ]
@@ -70,8 +72,8 @@ def test_links_fifos_and_bad_usage_left_by_the_agent_are_refused_and_the_run_goe
     # usage files with Infinity or negative tokens: unknown, one line why; the cost is unknown, never negative
     assert [r['agent_tokens'] for r in recs[:3]] == ['unknown', 'unknown', 'reported']
     assert all('is not a token count' in r['drafts'][0]['agent_usage_error'] for r in recs[:2])
-    assert s['cost']['dollars'] is None and s['cost']['tokens_unknown_rounds'] == [0, 1, 3, 4]
-    assert reclaimed == [out / 'agent' / f'r{k:04d}' for k in range(5)]           # every workspace given back after its round
+    assert s['cost']['dollars'] is None and s['cost']['tokens_unknown_rounds'] == [0, 1, 3, 4, 5]
+    assert reclaimed == [out / 'agent' / f'r{k:04d}' for k in range(6)]           # every workspace given back after its round
     assert s['selection'] is None and (out / 'heldout.csv').exists()               # the baselines alone on the held-out store
 
 

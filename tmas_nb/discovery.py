@@ -341,7 +341,7 @@ def extract_code(reply: str, class_name: str = CLASS_NAME) -> str | None:
 def file_configs(code: str, limit: int = 11) -> list[dict] | None:
     "The literal top-level `CONFIGS = [dict, ...]` of `code` (at most `limit`), or None when there is none usable."
     try: tree = ast.parse(code)
-    except (SyntaxError, ValueError): return None
+    except (SyntaxError, ValueError, RecursionError, MemoryError): return None
     for n in tree.body:
         if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == 'CONFIGS' for t in n.targets):
             try: v = ast.literal_eval(n.value)
@@ -764,7 +764,8 @@ def draft_score(rows: dict) -> tuple | None:
 def _draft_status(code: str | None) -> tuple[str, str | None]:
     if code is None: return 'no_code', 'the reply holds no code block'
     if code.strip() == METHOD_TEMPLATE.strip(): return 'no_code', 'method.py is the template unchanged: OptimalController was not written'
-    err = check_controller_source(code, CLASS_NAME, 'method.py')
+    try: err = check_controller_source(code, CLASS_NAME, 'method.py')
+    except (RecursionError, MemoryError): err = 'method.py: nested too deeply to parse'     # a file written to break the parser
     return ('check_failed', err) if err else ('ok', None)
 
 def propose_builtin(ctx: RoundContext, k: int, d: Path) -> tuple[str | None, list]:
