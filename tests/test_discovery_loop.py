@@ -118,6 +118,7 @@ def test_discover_flags_agent_allow_disk_and_max_branches():
     cfg = config_from_args(_args())
     assert (cfg.agent_allow, cfg.agent_disk_mb, cfg.max_branches) == ([], 4096, 64)
     assert config_from_args(_args('--preset', 'paper', '--max-branches', '32')).max_branches == 32
+    assert config_from_args(_args('--from-history', 'h')).max_branches is None           # re-scored as the history's evaluator ran
 
 
 @pytest.mark.parametrize('flags, message', [(['--agent-allow', 'localhost'], '--agent-allow'), (['--max-branches', '-3'], '--max-branches'),
@@ -151,3 +152,15 @@ def test_tmas_discover_prints_no_dollar_none_when_the_agent_reported_no_tokens(t
                '--out', str(tmp_path / 'o'), '--quiet'])
     out = capsys.readouterr().out
     assert rc == 0 and '$None' not in out and 'cost unknown' in out, out
+
+
+def test_episodes_past_the_ceiling_reach_the_round_record_and_the_next_prompt(tmp_path, monkeypatch):
+    # the evaluator's count (control flow only: a stand-in for the count the evaluator keeps, 5 episodes at β = 1)
+    monkeypatch.setattr(discovery, 'ceiling_hits', lambda r: 5 if '"beta": 1.0' in r.controller else 0)
+    cfg = DiscoveryConfig(rounds=2, train=[str(_store(tmp_path))], seeds=2, betas=(0.0, 1.0), turns=1)
+    out = tmp_path / 'run'
+    s = run_discovery(ScriptedLLM([reply(MAJORITY(15)), reply(MAJORITY(7))]), cfg, out, progress=False)
+    rec = json.loads((out / 'rounds.jsonl').read_text().splitlines()[0])
+    assert rec['ceiling_hits'] == [dict(store='Qwen3-4B:syn', beta=1.0, episodes=5)] and s['ceiling_hits'] == {0: 5, 1: 5}
+    p = (out / 'rounds' / 'r0001' / 'prompt_0.txt').read_text()
+    assert 'past the branch ceiling (each such question was an error, counted wrong): Qwen3-4B:syn β=1: 5 episodes' in p

@@ -35,16 +35,16 @@ from .discovery_history import (archive_round, compare_curves, comparison_summar
 # %% auto #0
 __all__ = ['CLASS_NAME', 'ENVIRONMENT_API', 'BETA_CONTRACT', 'FREE_CONTRACT', 'EXAMPLE_CONTROLLER', 'METHOD_TEMPLATE',
            'SEED_CLASSES', 'BETAS', 'QWEN3', 'PRESETS', 'PROPOSER_SYSTEM', 'CRITIC_SYSTEM', 'EVAL_CLIENT',
-           'MAX_METHOD_BYTES', 'MAX_USAGE_BYTES', 'MAX_TOKENS', 'EVAL_REQUEST_BYTES', 'ROUND_STATUSES', 'ceiling_text',
-           'contract_text', 'extract_code', 'file_configs', 'staircase_auc', 'pareto_front', 'select_auc',
-           'synthetic_store', 'sc_ks', 'seed_specs', 'seed_curves', 'DiscoveryConfig', 'resolve_store', 'store_digest',
-           'takes_keyword', 'ceiling_enforced', 'cached_evaluation', 'proposal_configs', 'ceiling_hits',
-           'evaluate_proposal', 'curve_text', 'ceiling_records', 'ceiling_line', 'seeds_text', 'trace_text',
-           'worst_traces_text', 'history_text', 'traces_history_text', 'proposer_prompt', 'revise_prompt',
-           'critic_prompt', 'ScriptedLLM', 'RoundContext', 'model_context', 'draft_results', 'draft_score',
-           'propose_builtin', 'agent_task', 'make_workspace', 'read_workspace_text', 'parse_usage', 'agent_usage',
-           'request_configs', 'EvaluationService', 'agent_sandbox_options', 'reclaim_workspace', 'run_agent',
-           'run_round', 'init_workspace', 'spec_ceiling', 'heldout_pass', 'cost_summary', 'run_discovery',
+           'MAX_METHOD_BYTES', 'MAX_USAGE_BYTES', 'MAX_TOKENS', 'EVAL_REQUEST_BYTES', 'EVALS_PER_ROUND',
+           'EVAL_LOG_ENTRIES', 'ROUND_STATUSES', 'ceiling_text', 'contract_text', 'extract_code', 'file_configs',
+           'staircase_auc', 'pareto_front', 'select_auc', 'synthetic_store', 'sc_ks', 'seed_specs', 'seed_curves',
+           'DiscoveryConfig', 'resolve_store', 'store_digest', 'takes_keyword', 'ceiling_enforced', 'cached_evaluation',
+           'proposal_configs', 'ceiling_hits', 'evaluate_proposal', 'curve_text', 'ceiling_records', 'ceiling_line',
+           'seeds_text', 'trace_text', 'worst_traces_text', 'history_text', 'traces_history_text', 'proposer_prompt',
+           'revise_prompt', 'critic_prompt', 'ScriptedLLM', 'RoundContext', 'model_context', 'draft_results',
+           'draft_score', 'propose_builtin', 'agent_task', 'make_workspace', 'read_workspace_text', 'parse_usage',
+           'agent_usage', 'request_configs', 'EvaluationService', 'agent_sandbox_options', 'reclaim_workspace',
+           'run_agent', 'run_round', 'init_workspace', 'spec_ceiling', 'heldout_pass', 'cost_summary', 'run_discovery',
            'check_agent_settings', 'history_files', 'rescore_history', 'make_llm', 'config_from_args', 'summary_line',
            'discover_cli']
 
@@ -147,7 +147,7 @@ class OptimalController:
 '''
 
 
-# %% ../nbs/40_discovery.ipynb #tplcode01
+# %% ../nbs/40_discovery.ipynb #4375f180
 METHOD_TEMPLATE = '''\
 """code_base/method.py of a discovery round: the seed controllers on the question API, shared helpers, and OptimalController.
 
@@ -502,7 +502,7 @@ def ceiling_enforced(max_branches: int | None) -> bool:
     "Whether the evaluator here enforces a branch ceiling (`max_branches` of `evaluate_file_configs`)."
     return bool(max_branches) and takes_keyword(evaluate_file_configs, 'max_branches')
 
-# %% ../nbs/40_discovery.ipynb #cachedev
+# %% ../nbs/40_discovery.ipynb #f7525351
 def cached_evaluation(cache: Path, code_path: Path, configs: list, store: ReplayStore, seeds: list, s: SandboxSettings, keep_logs: bool,
                       max_branches: int | None = None) -> list[EvalResult]:
     "`evaluate_file_configs` through the run's cache (the ceiling `max_branches` where the evaluator enforces one): one entry per configuration; the missing ones are evaluated in one call."
@@ -624,7 +624,7 @@ def history_text(rounds: list, codes: dict, curves: pd.DataFrame, char_budget: i
         b = _round_block(r, code, curves); used += len(b); with_code += bool(code); blocks.append(b)
     return ''.join(reversed(blocks))
 
-# %% ../nbs/40_discovery.ipynb #trhistcd
+# %% ../nbs/40_discovery.ipynb #f56ae270
 def _archived_traces(out: Path, k: int, train: list) -> dict:
     "The traces of round `k` as archived (the run wrote them)."
     f, res = round_folder(out, k), {}
@@ -926,8 +926,10 @@ def agent_usage(path) -> dict | None:
     if not os.path.lexists(path): return None
     return parse_usage(read_untrusted_text(path, MAX_USAGE_BYTES, 'usage file'), path)
 
-# %% ../nbs/40_discovery.ipynb #servicec
-EVAL_REQUEST_BYTES = 4 << 20
+# %% ../nbs/40_discovery.ipynb #3fe90bc0
+EVAL_REQUEST_BYTES = 4 << 20        # a request: method.py (at most MAX_METHOD_BYTES) as JSON, with its betas and seeds
+EVALS_PER_ROUND = 200               # evaluations the agent may ask for in one round
+EVAL_LOG_ENTRIES = 200
 
 def request_configs(req: dict, code: str, cfg: DiscoveryConfig) -> tuple[list, int]:
     "(configurations, seeds) an evaluation request asks for, checked against the run's limits; ValueError otherwise."
@@ -946,7 +948,7 @@ def request_configs(req: dict, code: str, cfg: DiscoveryConfig) -> tuple[list, i
 class EvaluationService:
     "The round's evaluator for the workspace's eval.py: a unix socket in a folder the agent sees read-only; a file in, its search curves (and traces) out."
     def __init__(self, ctx: RoundContext, k: int):
-        self.ctx, self.k, self.log = ctx, k, []
+        self.ctx, self.k, self.log, self.requests, self.evaluated = ctx, k, [], 0, 0
         self.folder = ctx.out / 'agent' / f'.eval-r{k:04d}'
         self.files = ctx.out / 'rounds' / f'r{k:04d}' / 'agent_evals'
         self._stop = threading.Event()
@@ -954,7 +956,7 @@ class EvaluationService:
     @property
     def socket_path(self) -> str: return str(self.folder / 'eval.sock')
 
-# %% ../nbs/40_discovery.ipynb #servicee
+# %% ../nbs/40_discovery.ipynb #b74d15ae
 @patch
 def __enter__(self:EvaluationService):
     "Listen (the socket is bound through the folder's descriptor: a long run path does not matter) and answer in a thread."
@@ -986,12 +988,13 @@ def _serve(self:EvaluationService):
             t0, entry = time.time(), {}
             try:
                 conn.settimeout(30)
-                data, reply = self._read(conn), None
+                data = self._read(conn)
                 reply = self.answer(data, entry) if data is not None else {'error': f"the request is over {EVAL_REQUEST_BYTES:,} bytes"}
-                conn.sendall(json.dumps(json_ready(reply), allow_nan=False).encode() + b'\n')
-            except Exception as e: entry['error'] = _one_line(f"{type(e).__name__}: {e}")
-            entry.update(seconds=round(time.time() - t0, 1), error=entry.get('error') or (reply or {}).get('error'))
-            self.log.append(entry)
+            except Exception as e: reply = {'error': _one_line(f"the evaluation failed: {type(e).__name__}: {e}")}
+            try: conn.sendall(json.dumps(json_ready(reply), allow_nan=False).encode() + b'\n')
+            except OSError: pass                  # the client went away
+            self.requests += 1
+            if len(self.log) < EVAL_LOG_ENTRIES: self.log.append(dict(entry, seconds=round(time.time() - t0, 1), error=reply.get('error')))
 
 @patch
 def _read(self:EvaluationService, conn) -> bytes | None:
@@ -1003,7 +1006,7 @@ def _read(self:EvaluationService, conn) -> bytes | None:
         buf += b
         if len(buf) > EVAL_REQUEST_BYTES: return None
 
-# %% ../nbs/40_discovery.ipynb #servicea
+# %% ../nbs/40_discovery.ipynb #c31b6a40
 @patch
 def answer(self:EvaluationService, data: bytes, entry: dict | None = None) -> dict:
     "The reply to one request: {'rows': [...], 'traces': {store: [...]}} or {'error': one line}."
@@ -1012,11 +1015,13 @@ def answer(self:EvaluationService, data: bytes, entry: dict | None = None) -> di
         req = json.loads(data.decode('utf-8'))
         if not isinstance(req, dict) or not isinstance(req.get('code'), str): raise ValueError('send {"code": "<method.py text>", "betas": [...], "seeds": N}')
         code = req['code']
+        if len(code.encode('utf-8', 'replace')) > MAX_METHOD_BYTES: raise ValueError(f"the file is over {MAX_METHOD_BYTES:,} bytes")
+        if self.evaluated >= EVALS_PER_ROUND: raise ValueError(f"this round's {EVALS_PER_ROUND} evaluations are used up")
         status, err = _draft_status(code)
         if status != 'ok': raise ValueError(err)
         configs, seeds = request_configs(req, code, self.ctx.cfg)
     except (ValueError, UnicodeDecodeError, RecursionError) as e: return {'error': _one_line(f"the request was refused: {e}")}
-    entry.update(digest=_sha(code)[:10], configs=len(configs), seeds=seeds)
+    entry.update(digest=_sha(code)[:10], configs=len(configs), seeds=seeds); self.evaluated += 1
     path = self.files / f"{_sha(code)[:16]}.py"; self.files.mkdir(parents=True, exist_ok=True); atomic_write_text(path, code)
     rows, traces = draft_results(self.ctx, path, code, configs, seeds)
     allrows = pd.concat(rows.values(), ignore_index=True)
@@ -1047,7 +1052,7 @@ def _log_tail(log: Path) -> str:
     except OSError: return ''
     return terminal_safe(_one_line(lines[-1], 200), keep_newlines=False) if lines else ''
 
-# %% ../nbs/40_discovery.ipynb #runagent
+# %% ../nbs/40_discovery.ipynb #7556d1b5
 def _launch_agent(ctx: RoundContext, k: int, ws: Path, service: EvaluationService, log: Path, rec: dict) -> None:
     "Run the agent in its sandbox until it exits or its time is up; `rec` gets the status and return code."
     cfg = ctx.cfg
@@ -1089,7 +1094,7 @@ def run_agent(ctx: RoundContext, k: int, d: Path) -> tuple[str | None, list]:
     log = ctx.out / 'agent' / f'r{k:04d}.log'; t0 = time.time()
     rec = dict(turn=0, status='ok', error=None, returncode=None, log=str(log.relative_to(ctx.out)))
     with EvaluationService(ctx, k) as service: _launch_agent(ctx, k, ws, service, log, rec)
-    rec.update(seconds=round(time.time() - t0, 1), evaluations=service.log, reclaimed=reclaim_workspace(ws))
+    rec.update(seconds=round(time.time() - t0, 1), evaluation_requests=service.requests, evaluations=service.log, reclaimed=reclaim_workspace(ws))
     code = _agent_proposal(ws, rec, log)
     try:
         p = ws / 'code_base' / 'usage.json'
@@ -1358,6 +1363,7 @@ def config_from_args(args) -> DiscoveryConfig:
     if args.no_traces: base['traces'] = False
     if args.free_params: base['free_params'] = True
     if args.max_branches is not None: base['max_branches'] = args.max_branches or None       # 0: no ceiling
+    elif args.from_history: base['max_branches'] = None      # a history is re-scored as its evaluator ran it: no ceiling unless asked
     return DiscoveryConfig(**base, proposer=args.proposer or '', agent_cmd=args.agent_cmd, agent_mounts=list(args.agent_mount or []),
                            agent_timeout=args.agent_timeout, agent_allow=list(args.agent_allow or []), agent_disk_mb=args.agent_disk_mb,
                            sandbox=resolve(SandboxSettings, args=args), turns=args.turns,
@@ -1405,7 +1411,7 @@ def discover_cli(p) -> None:
     p.add_argument('--agent-timeout', type=float, default=1800.0, help="wall-clock seconds of one agent run (default 1800)")
     p.add_argument('--agent-allow', action='append', metavar='HOST:PORT', help="a service on this machine the agent may reach, e.g. a local model server (repeatable; nothing else on the host is reachable)")
     p.add_argument('--agent-disk-mb', type=int, default=4096, metavar='MB', help="size of the agent's workspace in MB (default 4096)")
-    p.add_argument('--max-branches', type=int, default=None, metavar='N', help="the budget ceiling: branches one question may open, enforced by the evaluator (default 64, the paper's; 0: none)")
+    p.add_argument('--max-branches', type=int, default=None, metavar='N', help="the budget ceiling: branches one question may open, enforced by the evaluator (default 64, the paper's; 0: none; --from-history: none)")
     p.add_argument('--critic', default=None, help='a critic model reviewing each draft before it is evaluated (default: none)')
     p.add_argument('--base-url', default=None, help='OpenAI-compatible server for the proposer (and critic)')
     p.add_argument('--api-key', default=None, help='API key for --base-url (default: $OPENAI_API_KEY)')
