@@ -34,6 +34,8 @@ def test_autotts_discovery_report(tmp_path):
     assert s['ablation_arms'] == ['full', 'no execution traces'] and s['cost']['dollars'] > 0
     ho = pd.read_csv(d / 'heldout_table.csv')
     assert {'SC@64', 'CMC β=0.5'} <= set(ho.method) and ho.method.str.startswith('selected').sum() >= 2
+    ceiling = dict(zip(ho.method, ho.ceiling.astype(str)))     # each row states its controller's branch ceiling
+    assert (ceiling['SC@64'], ceiling['CMC β=0.5'], ceiling['CMC β=1.0']) == ('64', '34', '64')
     [c] = s['authors_comparison']
     assert c['round'] == 0 and c['points'] == 3 and c['max_abs_acc_diff'] < 0.006 and abs(c['tokens_ratio_mean'] - 1) < 0.01
     assert (d / 'authors_comparison.png').stat().st_size > 10_000 and len(pd.read_csv(d / 'authors_comparison.csv')) == 3

@@ -80,10 +80,13 @@ COMMANDS = {   # command: (module:function that adds its flags, help, descriptio
     'rl train': ('tmas_nb.rl:train_cli', 'GRPO training with the TMAS rewards (resumes from OUT/checkpoints)',
                  'Train with TRL GRPOTrainer. Writes OUT/metrics.csv and OUT/checkpoints; rerunning the same command resumes '
                  'from the last checkpoint. Multi-GPU: accelerate launch -m tmas_nb.cli rl train ...'),
-    'discover': ('tmas_nb.discovery:discover_cli', 'AutoTTS discovery loop: an LLM writes controllers, scored in the replay sandbox',
-                 'Each round the proposer writes a beta-parameterised controller file, which is evaluated in the sandbox on '
-                 'the training stores over beta in 0..1, scored against SC and CMC, and reviewed by a critic call. The best '
-                 'file is evaluated on the held-out stores. Rerun the same command to resume.'),
+    'discover': ('tmas_nb.discovery:discover_cli', 'AutoTTS discovery: an explorer writes beta-controllers from the history, scored in the replay sandbox',
+                 'Each round an explorer (a coding agent in a sandboxed workspace, --agent-cmd, or the built-in proposer, '
+                 '--proposer) starts from the template with the seed controllers (SC, ASC, ESC, Parallel-Probe) as code, reads '
+                 'every earlier round (code, beta curves, execution traces) and writes OptimalController, one knob beta. The '
+                 'proposal is evaluated in the sandbox on the search stores over beta in 0..1, at most --max-branches branches '
+                 'per question (64, the paper\'s ceiling). After the rounds the controller and beta of the highest search '
+                 'accuracy is selected and evaluated on the held-out stores beside the baselines. Rerun the same command to resume.'),
     'data fetch': ('tmas_nb.fetch:fetch_cli', 'download data sets, pinned and verified (`tmas data list` shows them)',
                    'Download data sets into the user data folder (or --dest), verify each file against its pinned sha256 '
                    'and rename it into place. NAME: autotts, imo-answerbench, hmmt24, hmmt25, autotts-reference, all.'),

