@@ -4,7 +4,7 @@
 
 # %% ../nbs/00a_sandbox.ipynb #901b494c
 from __future__ import annotations
-import ctypes, fcntl, ipaddress, json, os, platform, re, select, shutil, signal, socket, stat, struct, subprocess, sys, threading, time, uuid, warnings
+import ctypes, fcntl, ipaddress, json, os, platform, re, select, shutil, signal, socket, stat, struct, subprocess, sys, tempfile, threading, time, uuid, warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -669,7 +669,7 @@ def agent_network(network: str | None = None) -> str:
 def _warn_once(key: str, msg: str) -> None:
     if key not in _WARNED: _WARNED.add(key); print(msg, file=sys.stderr)
 
-# %% ../nbs/00a_sandbox.ipynb #f9c87068
+# %% ../nbs/00a_sandbox.ipynb #70ef2076
 _NS_GET_USERNS = 0xB701
 
 class Network:
@@ -691,23 +691,23 @@ def start_network(pid: int, timeout: float = 20) -> Network:
         ready_r, ready_w = os.pipe(); exit_r, exit_w = os.pipe(); fds += [ready_r, ready_w, exit_r]
         cmd = [tool, '--configure', '--mtu=65520', '--disable-host-loopback', '--enable-seccomp', f'--ready-fd={ready_w}',
                f'--exit-fd={exit_r}', '--netns-type=path', f'--userns-path=/proc/self/fd/{fds[1]}', f'/proc/self/fd/{fds[0]}', 'tap0']
-        who = host_identity()
+        who, log = host_identity(), tempfile.TemporaryFile()      # its messages, for the error below (a pipe could fill, or break)
         try:
-            proc = subprocess.Popen(cmd, pass_fds=(fds[0], fds[1], ready_w, exit_r), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.PIPE, start_new_session=True, env=dict(_BASE_ENV),
+            proc = subprocess.Popen(cmd, pass_fds=(fds[0], fds[1], ready_w, exit_r), stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=log, start_new_session=True, env=dict(_BASE_ENV),
                                     **(dict(user=who[0], group=who[1], extra_groups=[]) if who else {}))
-        except OSError as e: os.close(exit_w); raise SandboxError(f"cannot start slirp4netns: {e}") from None
+        except OSError as e: os.close(exit_w); log.close(); raise SandboxError(f"cannot start slirp4netns: {e}") from None
         for fd in (ready_w, exit_r): os.close(fd); fds.remove(fd)
         net = Network(proc, exit_w)
-        if not (select.select([ready_r], [], [], timeout)[0] and os.read(ready_r, 1) == b'1'):
-            net.stop(); err = proc.stderr.read().decode('utf-8', 'replace').strip().splitlines()
-            raise SandboxError(f"slirp4netns did not start the agent's network: {(err or ['no message'])[-1][:300]}")
-        proc.stderr.close()
+        with log:
+            if not (select.select([ready_r], [], [], timeout)[0] and os.read(ready_r, 1) == b'1'):
+                net.stop(); log.seek(0); err = log.read(1 << 16).decode('utf-8', 'replace').strip().splitlines()
+                raise SandboxError(f"slirp4netns did not start the agent's network: {(err or ['no message'])[-1][:300]}")
         return net
     finally:
         for fd in fds: os.close(fd)
 
-# %% ../nbs/00a_sandbox.ipynb #6ed76627
+# %% ../nbs/00a_sandbox.ipynb #7a899761
 def _pump(src: socket.socket, dst: socket.socket) -> None:
     try:
         while data := src.recv(1 << 16): dst.sendall(data)
@@ -717,19 +717,26 @@ def _pump(src: socket.socket, dst: socket.socket) -> None:
         except OSError: pass
 
 class Relay:
-    "Connections the agent opens to an allowed loopback address, each carried to the same address on the host."
-    def __init__(self, listener: socket.socket, target: tuple[str, int]):
-        self.listener, self.target, self.conns = listener, target, []
+    "Connections the agent opens to an allowed loopback address, each carried to the same address on the host (at most `slots` at once)."
+    def __init__(self, listener: socket.socket, target: tuple[str, int], slots: int = 64):
+        self.listener, self.target, self.conns, self.slots = listener, target, [], threading.BoundedSemaphore(slots)
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
         while True:
             try: inner, _ = self.listener.accept()
             except OSError: return
+            if not self.slots.acquire(blocking=False): inner.close(); continue
             try: outer = socket.create_connection(self.target, timeout=10)
-            except OSError: inner.close(); continue
+            except OSError: inner.close(); self.slots.release(); continue
             outer.settimeout(None); self.conns += [inner, outer]
-            for a, b in ((inner, outer), (outer, inner)): threading.Thread(target=_pump, args=(a, b), daemon=True).start()
+            threading.Thread(target=self._carry, args=(inner, outer), daemon=True).start()
+
+    def _carry(self, inner: socket.socket, outer: socket.socket) -> None:
+        "Both directions of one connection; its slot is free again when both have ended."
+        back = threading.Thread(target=_pump, args=(outer, inner), daemon=True); back.start()
+        _pump(inner, outer); back.join()
+        inner.close(); outer.close(); self.slots.release()
 
     def close(self) -> None:
         for s in [self.listener, *self.conns]:
@@ -910,6 +917,9 @@ def agent_sandbox(argv: list[str], workspace, limits: SandboxLimits | None = Non
     for m in mounts:
         if not Path(m).exists(): raise FileNotFoundError(f"--agent-mount {m} does not exist")
     allow = parse_allow(allow)
+    for h, p in allow:
+        if _loopback(h) and p < 1024:
+            raise ValueError(f"--agent-allow {h}:{p}: the agent's namespace cannot open a port below 1024 (it has no privileges); serve on 1024 or above")
     disk_mb = AGENT_DISK_MB if disk_mb is None else disk_mb
     if isinstance(disk_mb, bool) or not isinstance(disk_mb, int) or disk_mb < 1:
         raise ValueError(f"--agent-disk-mb must be a whole number of MB >= 1, got {disk_mb!r}")
@@ -918,7 +928,9 @@ def agent_sandbox(argv: list[str], workspace, limits: SandboxLimits | None = Non
     mounts = [str(Path(m).resolve()) for m in mounts]
     if sandbox_mode() != 'bwrap':
         ro = [p for p in NETWORK_FILES if os.path.exists(p)] + mounts
-        return Sandbox(list(argv), limits, ro=ro, rw=[str(ws)], env=env, network=True, cwd=str(ws), processes=True, **popen_kw)
+        sb = Sandbox(list(argv), limits, ro=ro, rw=[str(ws)], env=env, network=True, cwd=str(ws), processes=True, **popen_kw)
+        sb.error = sb.returned = None          # the workspace is the folder itself: nothing to return
+        return sb
     net = agent_network(network)
     ro = [p for p in NETWORK_FILES if os.path.exists(p) and not (net == 'isolated' and p == '/etc/resolv.conf')] + mounts
     return AgentSandbox(list(argv), ws, limits, ro=ro, env=env, allow=allow, disk_mb=disk_mb, network=net, **popen_kw)
