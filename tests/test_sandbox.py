@@ -289,7 +289,7 @@ def run_agent(tmp_path, body, *args, timeout=120, **kw):
     ws = tmp_path / 'ws'; ws.mkdir()
     (ws / 'probe.py').write_text("import json, os, socket, subprocess, sys\nout = {}\n" + textwrap.dedent(body) +
                                  "\nopen('report.json', 'w').write(json.dumps(out))\n")
-    with sandbox.agent_sandbox([sys.executable, 'probe.py', *map(str, args)], ws, sandbox.SandboxLimits(memory_mb=1024, max_procs=64),
+    with sandbox.agent_sandbox([sys.executable, 'probe.py', *map(str, args)], ws, sandbox.SandboxLimits(memory_mb=1024, max_procs=16),
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kw) as sb:
         out = sb.proc.communicate(timeout=timeout)[0].decode(errors='replace')
     assert getattr(sb, 'error', None) is None and sb.proc.returncode == 0, (sb.error, out)
@@ -466,3 +466,19 @@ def test_rw_folders_are_given_for_the_sandbox_life_and_taken_back(tmp_path, enfo
     assert sorted(p.name for p in d.iterdir()) == ['given', 'link', 'tool']
     assert all(p.lstat().st_uid == os.getuid() for p in d.iterdir()) and d.stat().st_uid == os.getuid()
     assert stat.S_IMODE((d / 'tool').stat().st_mode) == 0o755 and os.readlink(d / 'link') == '/etc/shadow'
+
+
+def test_agent_process_count_is_bounded(tmp_path, enforcement):
+    """An agent may start processes, up to max_procs. Without a cgroup this is RLIMIT_NPROC, which the kernel never applied
+    while the sandbox was the host's root: 50 forks all succeeded. As nobody the count holds in both modes."""
+    seen, sb, ws = run_agent(tmp_path, '''
+        import time
+        ok = failed = 0
+        for i in range(50):
+            try: pid = os.fork()
+            except OSError: failed += 1; continue
+            if pid == 0: time.sleep(2); os._exit(0)
+            ok += 1
+        out['forked'], out['failed'] = ok, failed
+    ''', network='none')
+    assert 0 < seen['forked'] < 16 and seen['forked'] + seen['failed'] == 50, seen
