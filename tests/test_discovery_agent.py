@@ -14,7 +14,7 @@ import pytest
 
 from tmas_nb.discovery import DiscoveryConfig, METHOD_TEMPLATE, run_discovery, synthetic_store
 from tmas_nb.replay.authors_api import store_records
-from tmas_nb.sandbox import python_paths, sandbox_mode
+from tmas_nb.sandbox import package_paths, python_paths, sandbox_mode
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -117,7 +117,8 @@ def test_scripted_agent_finds_no_answer_no_heldout_and_its_evaluation_still_work
     # the data folders are not there; of the repository only the masked package folder and the virtualenv (Python itself)
     venv_in_repo = {Path(sys.prefix).resolve().relative_to(REPO.resolve()).parts[0]} if Path(sys.prefix).resolve().is_relative_to(REPO.resolve()) else set()
     v = rep['visible']
-    assert not v[places[0]] and not v[places[2]] and set(v[places[1]] or []) <= {'tmas_nb'} | venv_in_repo, v
+    masked = {Path(p).name for p in package_paths() if Path(p).parent == REPO.resolve()}   # tmas_nb, and an egg-info of an editable install
+    assert not v[places[0]] and not v[places[2]] and set(v[places[1]] or []) <= {'tmas_nb'} | masked | venv_in_repo, v
     pythons = python_paths()           # the home folder shows only what Python itself needs (a pyenv install lives there)
     assert all(any(p.startswith(os.path.join(places[3], x)) for p in pythons) for x in v[places[3]] or []), (v, pythons)
     assert rep['round'] == '0' and rep['home'] == str(ws.resolve())

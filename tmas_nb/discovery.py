@@ -1070,6 +1070,9 @@ def _launch_agent(ctx: RoundContext, k: int, ws: Path, service: EvaluationServic
         try: rec['returncode'] = sb.proc.wait(timeout=cfg.agent_timeout)
         except subprocess.TimeoutExpired: sb.kill(); rec['status'] = 'timed_out'
         finally: sb.close()
+    rec['returned'] = getattr(sb, 'returned', None)            # what came back from the agent's own disk (files, skipped)
+    if getattr(sb, 'error', None):                             # its workspace did not come back: nothing of this round to read
+        rec.update(status='agent_failed', error=_one_line(sb.error))
 
 def _agent_proposal(ws: Path, rec: dict, log: Path) -> str | None:
     "The agent's method.py, read as untrusted; None with `rec['proposal_status']`/`proposal_error` saying why there is none."
