@@ -7,6 +7,7 @@ from __future__ import annotations
 import json, os, random, re
 from dataclasses import dataclass, field
 from functools import lru_cache
+from itertools import repeat
 from pathlib import Path
 
 import numpy as np
@@ -78,8 +79,9 @@ def _check_question(path, qi, d):
         f = f'each_branch[{bi}]'
         if not isinstance(b, (list, tuple)) or len(b) != 3: _fail(path, qi, f, "must be a triple [probe_list, branch_tokens, final_answer]")
         pl, tok, fin = b
-        if not isinstance(pl, list) or not all(isinstance(a, str) for a in pl): _fail(path, qi, f + '[0]', "probe_list must be a list of strings")
-        if isinstance(tok, bool) or not isinstance(tok, (int, float)) or not 0 <= tok <= MAX_BRANCH_TOKENS or int(tok) != tok:
+        if not isinstance(pl, list) or not all(map(isinstance, pl, repeat(str))): _fail(path, qi, f + '[0]', "probe_list must be a list of strings")
+        whole = (isinstance(tok, int) and not isinstance(tok, bool)) or (isinstance(tok, float) and 0 <= tok <= MAX_BRANCH_TOKENS and tok == int(tok))
+        if not whole or not 0 <= tok <= MAX_BRANCH_TOKENS:     # (no bool, NaN, infinity or fraction; nothing past 10^12)
             _fail(path, qi, f + '[1]', f"branch_tokens must be a whole number from 0 to {MAX_BRANCH_TOKENS:,}, got {_show(tok)}")
         if not isinstance(fin, str): _fail(path, qi, f + '[2]', f"final_answer must be a string, got {type(fin).__name__}")
     if 'final_answers_trace' in d:
