@@ -6,6 +6,8 @@ os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false')
 # `tmas run --backend auto` reads engine calibrations; the tests never see (or write) the user's own
 import tempfile
 os.environ['TMAS_ENGINES_DIR'] = tempfile.mkdtemp(prefix='tmas-engines-')
+# the key that signs call-cache entries: the tests' own, never the user's (every test process and its children share it)
+os.environ['TMAS_MACHINE_KEY_FILE'] = os.path.join(tempfile.mkdtemp(prefix='tmas-key-'), 'machine.key')
 
 import pytest
 

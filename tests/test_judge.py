@@ -3,6 +3,8 @@ candidate by the same packaged model; the columns, judge.json, the Pass@1 over j
 costs no model call."""
 import json
 import os
+import shutil
+import sqlite3
 import subprocess
 import sys
 
@@ -65,3 +67,27 @@ def test_rerunning_the_finished_run_keeps_the_judge_columns(judged_run):
     cols = [c for c in before.columns if c.startswith('correct_judge')]
     assert cols and [c for c in after.columns if c.startswith('correct_judge')] == cols
     assert after[cols].equals(before[cols]) and after.solution.tolist() == before.solution.tolist()
+
+
+def test_a_shipped_judge_cache_is_asked_again_and_a_copy_of_ones_own_is_not(judged_run, tmp_path):
+    d, _ = judged_run
+    judge = ('--judge', 'smollm2', '--repeats', '2', '--max-new-tokens', '6', '--threads', '1', '--quiet')
+    own, shipped = tmp_path / 'own', tmp_path / 'shipped'
+    shutil.copytree(d, own); shutil.copytree(d, shipped)
+    tmas('judge', str(own), *judge)
+    meta = json.loads((own / 'judge.json').read_text())
+    n = 2 * meta['judged_candidates']
+    assert (meta['cache']['hits'], meta['cache']['misses']) == (n, 0)   # one's own folder, copied: free
+    with sqlite3.connect(shipped / 'judge_calls.sqlite') as con:      # every verdict rewritten to "correct"
+        for key, c in con.execute('SELECT key, completion FROM completions').fetchall():
+            con.execute('UPDATE completions SET completion = ? WHERE key = ?',
+                        (json.dumps({**json.loads(c), 'text': 'correct', 'raw': 'correct'}), key))
+    r = tmas('judge', str(shipped), *judge)
+    meta = json.loads((shipped / 'judge.json').read_text())
+    assert (meta['cache']['hits'], meta['cache']['misses']) == (0, n)   # asked again, not believed
+    assert meta['cache']['foreign'] == n
+    assert f'{n} entries not written on this machine were asked again' in r.stdout
+    assert 'tmas cache trust' in r.stderr and 'not written on this machine' in r.stderr
+    cols = ['correct_judge0', 'correct_judge1']
+    honest = pq.read_table(own / 'records.parquet').to_pandas()[cols]
+    assert pq.read_table(shipped / 'records.parquet').to_pandas()[cols].equals(honest)   # the judge's own verdicts again

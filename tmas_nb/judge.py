@@ -10,7 +10,7 @@ from typing import Sequence
 
 from tqdm.auto import tqdm
 
-from .core import atomic_write_json, folder_lock
+from .core import atomic_write_json, folder_lock, terminal_safe
 from .data import load_benchmark
 from .llm.core import Request, run_sync
 from .agents import derive_seed
@@ -91,7 +91,8 @@ def judge_run(run_dir, llm, judge: str, runs: int = 4, scope: str = 'all', seed:
     curve = pass_at_1_by_iteration(rec, 'auto')
     meta = {'judge': judge, 'runs': runs, 'scope': scope, 'seed': seed, 'temperature': temperature,
             'max_new_tokens': max_new_tokens, 'judged_candidates': judged, 'rule_based_candidates': len(rec) - judged,
-            'unparsed_replies': unparsed, 'cache': {'hits': getattr(llm, 'hits', None), 'misses': getattr(llm, 'misses', None)},
+            'unparsed_replies': unparsed, 'cache': {'hits': getattr(llm, 'hits', None), 'misses': getattr(llm, 'misses', None),
+                      'foreign': getattr(llm, 'foreign', None)},
             'pass_at_1': {int(r.iteration): float(r.pass_at_1) for r in curve.itertuples()}}
     meta['grading'] = grading_label(meta)
     atomic_write_json(run_dir / JUDGE_FILE, meta)
@@ -114,9 +115,10 @@ def _cmd_judge(args) -> int:
                              args.benchmark, progress=not args.quiet)
         finally: llm.close()
     curve = ', '.join(f"{k}: {v:.3f}" for k, v in meta['pass_at_1'].items())
-    print(f"{run_dir}: {meta['judged_candidates']} candidates judged {args.repeats} times ({meta['unparsed_replies']} replies "
+    print(terminal_safe(f"{run_dir}: {meta['judged_candidates']} candidates judged {args.repeats} times ({meta['unparsed_replies']} replies "
           f"without a verdict, counted incorrect); Pass@1 by iteration ({meta['grading']}) {{{curve}}}; "
-          f"judge cache {meta['cache']['hits']} hits, {meta['cache']['misses']} misses")
+          f"judge cache {meta['cache']['hits']} hits, {meta['cache']['misses']} misses"
+          + (f" ({meta['cache']['foreign']} entries not written on this machine were asked again)" if meta['cache']['foreign'] else '')))
     return 0
 
 def judge_cli(p) -> None:

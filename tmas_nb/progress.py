@@ -11,6 +11,7 @@ from fastcore.basics import patch
 from tqdm.auto import tqdm
 
 from .llm.core import LLM, Request, Completion
+from .core import terminal_safe
 from .estimates import expected_tokens, fmt_seconds
 from .run_folder import read_status, write_status
 
@@ -172,11 +173,11 @@ def watch_lines(status: dict) -> list[str]:
 
 # %% ../nbs/24e_progress.ipynb #d8911254
 def watch(run_dir, every_s: float = 5.0, once: bool = False, out=None) -> dict:
-    "Print `watch_lines` of `run_dir`'s status.json every `every_s` seconds until it says complete (or once); returns the last status."
+    "Print `watch_lines` of `run_dir`'s status.json (control characters escaped) every `every_s` seconds until it says complete (or once); returns the last status."
     out = out or sys.stdout
     while True:
         st = read_status(run_dir)
-        print('\n'.join(watch_lines(st)), file=out, flush=True)
+        print(terminal_safe('\n'.join(watch_lines(st))), file=out, flush=True)
         if once or st.get('complete'): return st
         time.sleep(every_s)
 

@@ -4,7 +4,7 @@
 
 # %% ../nbs/24f_run_show.ipynb #cc6c0ae8
 from __future__ import annotations
-import json
+import json, os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,15 +13,16 @@ from typing import Sequence
 import pandas as pd
 from fastcore.basics import patch
 
+from .core import read_untrusted_text, terminal_safe
 from .methods import read_problem_checkpoints
 from .prompts import parse_verification_score
 from .run_folder import Run, load_run, pass_at_1_by_iteration
 
 # %% auto #0
-__all__ = ['CANDIDATE_ROLES', 'BANK_OF_ROLE', 'ROLES', 'shorten', 'bank_diff', 'tree_lines', 'RunView', 'bank_file_events',
-           'run_header', 'problem_table', 'call_node', 'candidate_head', 'candidate_node', 'merge_lines', 'bank_nodes',
-           'memory_nodes', 'distilled_node', 'rse_distillations', 'iteration_head', 'iteration_node', 'problem_tree',
-           'show_run_text', 'show_cli']
+__all__ = ['BANK_FILE_MAX_BYTES', 'CANDIDATE_ROLES', 'BANK_OF_ROLE', 'ROLES', 'shorten', 'bank_diff', 'tree_lines', 'RunView',
+           'bank_file_events', 'run_header', 'problem_table', 'call_node', 'candidate_head', 'candidate_node',
+           'merge_lines', 'bank_nodes', 'memory_nodes', 'distilled_node', 'rse_distillations', 'iteration_head',
+           'iteration_node', 'problem_tree', 'show_run_text', 'show_cli']
 
 # %% ../nbs/24f_run_show.ipynb #4e396580
 def shorten(text: str | None, full: bool = False, head: int = 4, tail: int = 2, width: int = 160) -> list[str]:
@@ -80,11 +81,18 @@ def calls_of(self:RunView, problem_id: str, iteration: int, candidate: int | Non
     return c[m].sort_values(['sample', 'start'], kind='stable')
 
 # %% ../nbs/24f_run_show.ipynb #d35c1f2d
+BANK_FILE_MAX_BYTES = 256 << 20
+"Largest bank file read: a run folder may come from elsewhere, so its files are read as regular files under a cap."
+
 def bank_file_events(path, iteration: int) -> list[dict] | None:
-    "The update events of round `iteration` in the bank file at `path`; None when there is no such file."
+    "The update events of round `iteration` in the bank file at `path` (a regular file, not a link); None when there is no such file."
     path = Path(path)
-    if not path.is_file(): return None
-    return [e for e in json.loads(path.read_text(encoding='utf-8')).get('events', []) if e.get('round') == iteration]
+    if not os.path.lexists(path): return None
+    try: d = json.loads(read_untrusted_text(path, BANK_FILE_MAX_BYTES, 'bank file'))
+    except json.JSONDecodeError as e: raise ValueError(f"bank file {path} is not valid JSON ({e.msg})") from None
+    events = d.get('events', []) if isinstance(d, dict) else None
+    if not isinstance(events, list): raise ValueError(f"bank file {path}: expected an object with a list of 'events'")
+    return [e for e in events if isinstance(e, dict) and e.get('round') == iteration]
 
 # %% ../nbs/24f_run_show.ipynb #3c119e86
 @patch
@@ -92,7 +100,11 @@ def bank_events(self:RunView, problem_id: str, iteration: int, bank: str) -> lis
     "The update events of `bank` at `iteration` (what was added, merged, removed or restored), from its file after that iteration; [] without one."
     cps = self.checkpoints(problem_id)
     rel = cps[iteration].get('bank_files', {}).get(bank) if iteration < len(cps) else None
-    return (bank_file_events(self.run.run_dir / rel, iteration) if rel else None) or []
+    if not rel: return []
+    if not isinstance(rel, str) or os.path.isabs(rel) or '..' in Path(rel).parts:
+        raise ValueError(f"{self.run.run_dir}: the checkpoint of problem {problem_id!r}, iteration {iteration} names the bank file "
+                         f"{str(rel)[:80]!r}, which is not inside the run folder")
+    return bank_file_events(self.run.run_dir / rel, iteration) or []
 
 # %% ../nbs/24f_run_show.ipynb #fbf55be7
 @patch
@@ -303,7 +315,7 @@ def show_run_text(run_dir, problem: str | None = None, iteration: int | None = N
 
 # %% ../nbs/24f_run_show.ipynb #ea8a178c
 def _cmd_show(args) -> int:
-    print(show_run_text(args.run_dir, args.problem, args.iteration, args.role, args.full))
+    print(terminal_safe(show_run_text(args.run_dir, args.problem, args.iteration, args.role, args.full)))
     return 0
 
 # %% ../nbs/24f_run_show.ipynb #a90017df

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pyarrow as pa, pyarrow.parquet as pq
 
-from .core import atomic_write_json, folder_lock
+from .core import atomic_write_json, folder_lock, terminal_safe
 from .data import load_benchmark, first_k, read_problem_ids, select_problems
 from .llm.cache import CachedLLM, open_cache_db
 from .llm.core import engine_stats, run_sync
@@ -35,8 +35,8 @@ from .run_folder import (
 __all__ = ['METHOD_ROLES', 'ENDPOINT_ROLES', 'CUT_WARNING', 'PRESET_HELP', 'record_server', 'resolve_auto_backend',
            'check_run_files', 'RunOptions', 'sampling_by_role', 'run_record', 'start_run', 'model_context_length',
            'cap_to_context', 'layer_settings', 'protocol_of', 'distiller_context', 'parse_role_endpoint',
-           'parse_role_endpoints', 'RunPlan', 'plan_run', 'summary_line', 'run_facts', 'facts_lines', 'run_cli',
-           'runs_table', 'effective_defaults', 'summary_cli', 'list_cli', 'config_from_args']
+           'parse_role_endpoints', 'RunPlan', 'plan_run', 'summary_line', 'run_facts', 'facts_lines', 'summary_text',
+           'run_cli', 'runs_table', 'effective_defaults', 'summary_cli', 'list_cli', 'config_from_args']
 
 # %% ../nbs/24_runs.ipynb #0be1d591
 def record_server(run_dir, llm) -> dict | None:
@@ -459,22 +459,22 @@ def facts_lines(facts: dict) -> list[str]:
     return out
 
 # %% ../nbs/24_runs.ipynb #c3e95f1e
+def summary_text(s: dict, facts: dict) -> str:
+    "The text of `tmas runs summary` from `Run.summary()` and `run_facts`, control characters escaped (answers are a model's words)."
+    running = f"  running (process {s['running_pid']})" if 'running_pid' in s else ''
+    lines = [f"method {s['method']}  problems {s['problems']}  complete {s['complete']}{running}",
+             f"wall time {fmt_seconds(facts['wall_s'])}  engine {facts['engine']} (backend {facts['backend']})",
+             'iteration  pass@1  candidates']
+    lines += [f"{i['iteration']:>9}  {i['pass_at_1']:.4f}  {i['candidates']:>10}" for i in s['iterations']]
+    lines.append('completion tokens: ' + ', '.join(f'{r} {n}' for r, n in s['tokens_by_role'].items()))
+    lines += [f'  at {url}: ' + ', '.join(f'{r} {n}' for r, n in roles.items()) for url, roles in s.get('tokens_by_endpoint', {}).items()]
+    return terminal_safe('\n'.join(lines + facts_lines(facts)))
+
 def _cmd_summary(args) -> int:
     run = load_run(args.run_dir)
     s = run.summary()
     facts = run_facts(run)
-    if args.json:
-        print(json.dumps({**s, **facts}))
-        return 0
-    running = f"  running (process {s['running_pid']})" if 'running_pid' in s else ''
-    print(f"method {s['method']}  problems {s['problems']}  complete {s['complete']}{running}")
-    print(f"wall time {fmt_seconds(facts['wall_s'])}  engine {facts['engine']} (backend {facts['backend']})")
-    print('iteration  pass@1  candidates')
-    for i in s['iterations']: print(f"{i['iteration']:>9}  {i['pass_at_1']:.4f}  {i['candidates']:>10}")
-    print('completion tokens: ' + ', '.join(f'{r} {n}' for r, n in s['tokens_by_role'].items()))
-    for url, roles in s.get('tokens_by_endpoint', {}).items():
-        print(f'  at {url}: ' + ', '.join(f'{r} {n}' for r, n in roles.items()))
-    print('\n'.join(facts_lines(facts)))
+    print(json.dumps({**s, **facts}) if args.json else summary_text(s, facts))   # JSON: the encoder escapes every control character
     return 0
 
 # %% ../nbs/24_runs.ipynb #376861c2
@@ -533,12 +533,13 @@ def runs_table(folder) -> list[dict]:
 # %% ../nbs/24_runs.ipynb #e27d388e
 def _cmd_list(args) -> int:
     rows = runs_table(args.folder)
-    if not rows: print(f"no run folders under {args.folder}"); return 0
-    print(f"{'method':<14} {'model':<22} {'problems':>8} {'complete':>8} {'pass@1':>7} {'wall':>9}  path")
+    if not rows: print(terminal_safe(f"no run folders under {args.folder}")); return 0
+    lines = [f"{'method':<14} {'model':<22} {'problems':>8} {'complete':>8} {'pass@1':>7} {'wall':>9}  path"]
     for r in rows:
-        if 'error' in r: print(f"{'?':<14} {'':<22} {'':>8} {'':>8} {'':>7} {'':>9}  {r['path']}  (unreadable: {r['error']})"); continue
+        if 'error' in r: lines.append(f"{'?':<14} {'':<22} {'':>8} {'':>8} {'':>7} {'':>9}  {r['path']}  (unreadable: {r['error']})"); continue
         p1 = f"{r['pass_at_1_last']:.3f}" if r['pass_at_1_last'] is not None else '-'
-        print(f"{r['method']:<14} {str(r['model'])[:22]:<22} {r['problems']:>8} {str(r['complete']):>8} {p1:>7} {fmt_seconds(r['wall_s']):>9}  {r['path']}")
+        lines.append(f"{r['method']:<14} {str(r['model'])[:22]:<22} {r['problems']:>8} {str(r['complete']):>8} {p1:>7} {fmt_seconds(r['wall_s']):>9}  {r['path']}")
+    print(terminal_safe('\n'.join(lines)))   # folder names and models come from the folders, which may have been shipped
     return 0
 
 # %% ../nbs/24_runs.ipynb #8e48adfb

@@ -4,16 +4,20 @@
 
 # %% ../../nbs/14_llm_cache.ipynb #97610c73
 from __future__ import annotations
-import asyncio, collections, hashlib, json, os, sqlite3, threading, time, weakref
+import asyncio, collections, hashlib, hmac, json, os, re, secrets, sqlite3, stat, sys, threading, time, weakref
 from dataclasses import replace
 from pathlib import Path
+
+import platformdirs
 from fastcore.basics import patch
 
+from ..core import read_untrusted_text, terminal_safe
 from .core import LLM, Request, Completion
 
 # %% auto #0
-__all__ = ['QUICK_CHECK_MAX_BYTES', 'CACHE_CHECKS', 'cache_key', 'DamagedCache', 'open_cache_db', 'CompletionStore',
-           'StoreBatcher', 'CachedLLM']
+__all__ = ['QUICK_CHECK_MAX_BYTES', 'CACHE_CHECKS', 'MACHINE_KEY_ENV', 'COLUMNS', 'CACHE_FILES', 'cache_key', 'DamagedCache',
+           'open_cache_db', 'MachineKeyError', 'machine_key_path', 'machine_key', 'sign_entry', 'CompletionStore',
+           'StoreBatcher', 'CachedLLM', 'trust_cache', 'cache_files', 'trust_cli']
 
 # %% ../../nbs/14_llm_cache.ipynb #12b8d755
 def cache_key(model_id: str, request: Request, sample_index: int) -> str:
@@ -54,6 +58,7 @@ def open_cache_db(path: Path) -> sqlite3.Connection:
     ident = _identity(path)
     db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None, timeout=60)
     try:
+        db.execute('PRAGMA trusted_schema=OFF')   # a file from elsewhere: its schema calls no function of ours
         with _CHECKED_LOCK: seen = ident is not None and ident in _CHECKED
         if not seen:
             if ident is not None and ident[2] > QUICK_CHECK_MAX_BYTES:
@@ -72,30 +77,102 @@ def open_cache_db(path: Path) -> sqlite3.Connection:
                            f"the command: a new, empty cache is started and only the calls that are needed are made again "
                            f"(a run folder keeps its finished iterations in checkpoints/)") from None
 
+# %% ../../nbs/14_llm_cache.ipynb #e7531038
+MACHINE_KEY_ENV = 'TMAS_MACHINE_KEY_FILE'
+"Environment variable naming the file of this machine's cache key (default: `machine.key` in the user's config folder)."
+
+class MachineKeyError(ValueError):
+    "The file of this machine's cache key cannot be used (another owner, readable by others, not a key)."
+
+def machine_key_path() -> Path:
+    "`$TMAS_MACHINE_KEY_FILE`, else `machine.key` in the user's config folder (platformdirs)."
+    env = os.environ.get(MACHINE_KEY_ENV)
+    return Path(env).expanduser() if env else Path(platformdirs.user_config_dir('tmas_nb', appauthor=False)) / 'machine.key'
+
+# %% ../../nbs/14_llm_cache.ipynb #ba34574b
+def _make_machine_key(path: Path) -> None:
+    "Write a new random key to `path` (mode 0600) unless another process has just made one."
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.with_name(f'.{path.name}.{os.getpid()}.{secrets.token_hex(4)}')
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try: os.write(fd, (secrets.token_hex(32) + '\n').encode()); os.fsync(fd)
+    finally: os.close(fd)
+    try: os.link(tmp, path)
+    except FileExistsError: pass
+    finally: os.unlink(tmp)
+
+# %% ../../nbs/14_llm_cache.ipynb #003beb10
+_MACHINE_KEYS: dict = {}
+
+def machine_key() -> bytes:
+    "This machine's secret for signing cache entries (read once per process; made on first use)."
+    path = machine_key_path()
+    got = _MACHINE_KEYS.get(str(path))
+    if got is not None: return got
+    try:
+        if not os.path.lexists(path): _make_machine_key(path)
+        st = os.lstat(path)
+    except OSError as e:
+        raise MachineKeyError(f"cannot make this machine's cache key {path} ({e.strerror or e}); set {MACHINE_KEY_ENV} to a file "
+                              f"in a folder you can write") from None
+    redo = f"remove it and a new key is made (the cache entries signed with the old one are then asked again)"
+    if stat.S_ISREG(st.st_mode) and st.st_uid != os.geteuid():
+        raise MachineKeyError(f"{path}: this machine's cache key belongs to user {st.st_uid}, not to you ({os.geteuid()}); {redo}")
+    if stat.S_ISREG(st.st_mode) and st.st_mode & 0o077:
+        raise MachineKeyError(f"{path}: this machine's cache key can be read by others (mode {stat.S_IMODE(st.st_mode):o}); "
+                              f"`chmod 600 {path}` if nobody else could have read it, else {redo}")
+    text = read_untrusted_text(path, 4096, "this machine's cache key").strip()
+    if not re.fullmatch(r'[0-9a-f]{64}', text): raise MachineKeyError(f"{path}: not a cache key (64 hexadecimal digits); {redo}")
+    return _MACHINE_KEYS.setdefault(str(path), bytes.fromhex(text))
+
+def sign_entry(secret: bytes, key: str, completion: str | bytes) -> bytes:
+    "The signature of one cache entry: HMAC-SHA256 of its key and its completion's JSON (UTF-8) under `secret`."
+    if isinstance(completion, str): completion = completion.encode()
+    return hmac.digest(secret, key.encode() + b'\x00' + completion, 'sha256')
+
 # %% ../../nbs/14_llm_cache.ipynb #0dbbb379
+COLUMNS = ('key', 'model_id', 'sample_index', 'request', 'completion', 'created', 'signature')
+
 class CompletionStore:
-    "A SQLite table of completions by key (WAL mode, one transaction per insert, thread-safe)."
+    "A SQLite table of completions by key (WAL mode, one transaction per insert, thread-safe); only entries signed with this machine's key are answers."
     def __init__(self, path):
         path = Path(path)
         if path.is_dir() or path.suffix == '': path = path / 'llm_cache.sqlite'
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.path, self._lock = path, threading.Lock()
+        self.path, self._lock, self._secret = path, threading.Lock(), machine_key()
+        self.foreign, self._told = 0, False      # entries found unsigned or signed elsewhere (asked again)
         self._db = open_cache_db(path)
-        with self._lock:
-            self._db.execute('PRAGMA journal_mode=WAL')
-            self._db.execute('PRAGMA synchronous=NORMAL')
-            self._db.execute('CREATE TABLE IF NOT EXISTS completions (key TEXT PRIMARY KEY, model_id TEXT NOT NULL, '
-                             'sample_index INTEGER NOT NULL, request TEXT NOT NULL, completion TEXT NOT NULL, created REAL NOT NULL)')
+        try:
+            with self._lock:
+                self._db.execute('PRAGMA journal_mode=WAL')
+                self._db.execute('PRAGMA synchronous=NORMAL')
+                self._db.execute('CREATE TABLE IF NOT EXISTS completions (key TEXT PRIMARY KEY, model_id TEXT NOT NULL, '
+                                 'sample_index INTEGER NOT NULL, request TEXT NOT NULL, completion TEXT NOT NULL, created REAL NOT NULL, '
+                                 'signature BLOB)')
+                self._check_layout()
+                self._db.create_function('tmas_signed', 3, self._signed, deterministic=True)
+                self._db.create_function('tmas_sign', 2, self._sign, deterministic=True)
+        except BaseException: self.close(); raise
+
+    def _sign(self, key, completion) -> bytes | None:
+        return sign_entry(self._secret, key, completion) if isinstance(key, str) and isinstance(completion, (str, bytes)) else None
+
+    def _signed(self, key, completion, signature) -> bool:
+        "Whether an entry's signature is this machine's for its key and completion."
+        good = self._sign(key, completion)
+        return good is not None and isinstance(signature, bytes) and hmac.compare_digest(signature, good)
 
     def get_many(self, keys: list[str]) -> dict[str, Completion]:
-        "The stored completions among `keys`, as `{key: Completion}`."
+        "The stored completions among `keys` signed with this machine's key, as `{key: Completion}`; the others count as `foreign`."
         if not keys: return {}
         with self._lock:
             rows = []
             for i in range(0, len(keys), 500):
                 chunk = keys[i:i + 500]
-                rows += self._db.execute(f"SELECT key, completion FROM completions WHERE key IN ({','.join('?' * len(chunk))})", chunk).fetchall()
-        return {k: Completion.from_dict(json.loads(c)) for k, c in rows}
+                rows += self._db.execute(f"SELECT key, CAST(completion AS BLOB), signature FROM completions WHERE key IN ({','.join('?' * len(chunk))})", chunk).fetchall()
+        out = {k: Completion.from_dict(json.loads(c)) for k, c, s in rows if self._signed(k, c, s)}
+        if len(out) < len(rows): self._found_foreign(len(rows) - len(out))   # (read as bytes: a file from elsewhere may hold any)
+        return out
 
     def put(self, key: str, model_id: str, request: Request, sample_index: int, completion: Completion):
         "Store one completion in its own transaction (a key already present is kept): `put_many` of one sample."
@@ -112,21 +189,47 @@ class CompletionStore:
         with self._lock:
             if self._db is not None: self._db.close(); self._db = None
 
+# %% ../../nbs/14_llm_cache.ipynb #3a765430
+@patch
+def _check_layout(self:CompletionStore):
+    "Refuse a file whose `completions` is not our table (a view, other columns or key, triggers); add the signature column to an older cache."
+    kind = self._db.execute("SELECT type FROM sqlite_master WHERE name = 'completions'").fetchone()
+    cols = {r[1]: r[5] for r in self._db.execute('PRAGMA table_info(completions)')}
+    triggers = self._db.execute("SELECT count(*) FROM sqlite_master WHERE type = 'trigger'").fetchone()[0]
+    if kind != ('table',) or not set(COLUMNS[:-1]) <= set(cols) or cols['key'] != 1 or sum(map(bool, cols.values())) != 1 or triggers:
+        raise DamagedCache(f"{self.path}: not a call cache of this program (its completions table has another layout, or the file "
+                           f"has triggers); move it aside with `mv {self.path} {self.path}.bad` and rerun: the calls are made again")
+    if 'signature' not in cols: self._db.execute('ALTER TABLE completions ADD COLUMN signature BLOB')
+
+# %% ../../nbs/14_llm_cache.ipynb #cb7c48f5
+@patch
+def _found_foreign(self:CompletionStore, n: int):
+    "Count `n` entries that are not this machine's and say so once per store: they are asked again."
+    self.foreign += n
+    if self._told: return
+    self._told = True
+    print(terminal_safe(f"{self.path}: cache entries not written on this machine (copied from elsewhere, edited, or written before "
+                        f"entries were signed) are not used; their calls are made again. If you trust this cache, "
+                        f"`tmas cache trust {self.path}` keeps its answers", keep_newlines=False), file=sys.stderr, flush=True)
+
 # %% ../../nbs/14_llm_cache.ipynb #a009cbad
 @patch
 def put_many(self:CompletionStore, model_id: str, request: Request, samples: list[tuple[str, int, Completion]],
              more: list | None = None):
-    "Store `(key, sample index, completion)` of one request's samples in one transaction (a key already present is kept); `more` = further `(model_id, request, samples)` in the same transaction."
+    "Store `(key, sample index, completion)` of one request's samples, signed, in one transaction (a key already present is kept unless its entry is not this machine's); `more` = further `(model_id, request, samples)` in the same transaction."
     now, rows = time.time(), []
     for mid, r, ss in [(model_id, request, samples), *(more or ())]:
         req = json.dumps(r.to_dict(), ensure_ascii=False)
         for key, i, c in ss:
             d = c.to_dict(); d['cached'] = False
-            rows.append((key, mid, int(i), req, json.dumps(d, ensure_ascii=False), now))
+            text = json.dumps(d, ensure_ascii=False)
+            rows.append((key, mid, int(i), req, text, now, sign_entry(self._secret, key, text)))
     with self._lock:
         self._db.execute('BEGIN IMMEDIATE')
         try:
-            self._db.executemany('INSERT OR IGNORE INTO completions VALUES (?,?,?,?,?,?)', rows)
+            self._db.executemany(f"INSERT INTO completions ({', '.join(COLUMNS)}) VALUES (?,?,?,?,?,?,?) ON CONFLICT(key) DO UPDATE SET "
+                                 + ', '.join(f'{c} = excluded.{c}' for c in COLUMNS[1:])
+                                 + ' WHERE NOT tmas_signed(completions.key, CAST(completions.completion AS BLOB), completions.signature)', rows)
             self._db.execute('COMMIT')
         except BaseException:
             self._db.execute('ROLLBACK'); raise
@@ -206,6 +309,11 @@ class CachedLLM(LLM):
         return list(await asyncio.gather(*[self._one(r) for r in requests]))
 
     @property
+    def foreign(self) -> int:
+        "Stored samples left out because they were not written on this machine (made again)."
+        return self.store.foreign
+
+    @property
     def hit_rate(self) -> float:
         "Fraction of samples served from the cache so far."
         return self.hits / max(1, self.hits + self.misses)
@@ -216,3 +324,55 @@ class CachedLLM(LLM):
         if self.close_backend: self.backend.close()
 
     def __repr__(self): return f"CachedLLM({self.backend!r}, {str(self.path)!r}, hits={self.hits}, misses={self.misses})"
+
+# %% ../../nbs/14_llm_cache.ipynb #a7ca753b
+CACHE_FILES = ('calls.sqlite', 'judge_calls.sqlite', 'llm_cache.sqlite')
+"The cache files a folder may hold: a run's calls, its judge's, a bare `CachedLLM` folder's."
+
+def _readable(key, completion) -> bool:
+    "Whether an entry reads as a completion under a text key."
+    try: return isinstance(key, str) and isinstance(Completion.from_dict(json.loads(completion)), Completion)
+    except (ValueError, TypeError): return False
+
+def trust_cache(path, chunk: int = 2000) -> tuple[int, int, int]:
+    "Sign every readable entry of the cache file `path` with this machine's key: (entries newly signed, already signed, unreadable and left out)."
+    st, new, old, bad, last = CompletionStore(path), 0, 0, 0, -1
+    try:
+        with st._lock:
+            while rows := st._db.execute('SELECT rowid, key, CAST(completion AS BLOB), signature FROM completions WHERE rowid > ? '
+                                         'ORDER BY rowid LIMIT ?', (last, chunk)).fetchall():
+                last, sign = rows[-1][0], []
+                for rowid, k, c, s in rows:
+                    if st._signed(k, c, s): old += 1
+                    elif _readable(k, c): sign.append((st._sign(k, c), rowid))
+                    else: bad += 1
+                st._db.execute('BEGIN IMMEDIATE')
+                try: st._db.executemany('UPDATE completions SET signature = ? WHERE rowid = ?', sign); st._db.execute('COMMIT')
+                except BaseException: st._db.execute('ROLLBACK'); raise
+                new += len(sign)
+        return new, old, bad
+    finally: st.close()
+
+# %% ../../nbs/14_llm_cache.ipynb #98684e80
+def cache_files(path) -> list[Path]:
+    "The cache files `path` names: itself, or those of `CACHE_FILES` in a folder."
+    p = Path(path)
+    if not p.is_dir():
+        if not p.is_file(): raise FileNotFoundError(f"{p}: no such cache file or folder")
+        return [p]
+    found = [p / f for f in CACHE_FILES if (p / f).is_file()]
+    if not found: raise FileNotFoundError(f"{p}: no cache file in this folder (looked for {', '.join(CACHE_FILES)})")
+    return found
+
+def _cmd_trust(args) -> int:
+    for f in [f for p in args.path for f in cache_files(p)]:
+        new, old, bad = trust_cache(f)
+        left = f"; {bad} unreadable entries left out (their calls are made again)" if bad else ''
+        print(terminal_safe(f"{f}: {new} entries signed with this machine's key, {old} already were{left}; its answers are used "
+                            f"from now on", keep_newlines=False))
+    return 0
+
+def trust_cli(p) -> None:
+    "The flags of `tmas cache trust`."
+    p.add_argument('path', nargs='+', help=f"a cache file, or a folder (a run folder) holding {', '.join(CACHE_FILES)}")
+    p.set_defaults(func=_cmd_trust)

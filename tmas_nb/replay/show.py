@@ -24,7 +24,7 @@ from .commands import _DATA_DIR_HELP
 from .authors_api import N_CODE, F_CODE
 from .files import ControllerError, evaluate_file_configs, static_api_of
 from ..settings import SandboxSettings, add_settings, resolve
-from ..core import atomic_write_bytes
+from ..core import atomic_write_bytes, terminal_safe
 
 # %% auto #0
 __all__ = ['UNREADABLE', 'STYLE', 'COLORS', 'OTHERS', 'DPI', 'Episode', 'answer_status', 'spec_episode', 'replay_ours_log',
@@ -238,8 +238,8 @@ DPI = 150
 
 # %% ../../nbs/09_replay_show.ipynb #c5cce6b6
 def label(answer, width: int = 14) -> str:
-    "An answer as figure text: 'none' for None, shortened to `width` characters, `$` escaped (no mathtext)."
-    s = 'none' if answer is None else str(answer)
+    "An answer as figure text: 'none' for None, control characters escaped, shortened to `width` characters, `$` escaped (no mathtext)."
+    s = 'none' if answer is None else terminal_safe(answer, keep_newlines=False)
     s = s if len(s) <= width else s[:width - 1] + '…'
     return s.replace('$', r'\$')
 
@@ -424,8 +424,8 @@ def _cmd_show(args) -> int:
             if isinstance(e, ControllerError) or is_controller_file(c): raise
             raise ValueError(f"--controller {c}: {e}") from None
     path = save_figure(draw_episodes(eps), args.png or default_png(eps))
-    for e in eps: print(episode_summary(e))
-    print(f"picture: {path}")
+    for e in eps: print(terminal_safe(episode_summary(e)))   # questions and answers are a model's words, a controller's answer anything
+    print(terminal_safe(f"picture: {path}"))
     return 0
 
 # %% ../../nbs/09_replay_show.ipynb #252f6042

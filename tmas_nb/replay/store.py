@@ -4,20 +4,22 @@
 
 # %% ../../nbs/01_replay_store.ipynb #beed7e31
 from __future__ import annotations
-import json, random
+import json, os, random, re
 from dataclasses import dataclass, field
 from functools import lru_cache
+from itertools import repeat
 from pathlib import Path
 
 import numpy as np
 from fastcore.basics import patch
 
-from ..core import data_dir, find_data_dir
+from ..core import UntrustedFileError, data_dir, find_data_dir, read_untrusted_text, terminal_safe
 from ..fetch import fetch_hint
 
 # %% auto #0
-__all__ = ['MODELS', 'DATASETS', 'ReplayStoreError', 'ReplayStore', 'load_store_file', 'replay_dir', 'store_path', 'load_store',
-           'available_stores']
+__all__ = ['MODELS', 'DATASETS', 'STORE_MAX_BYTES', 'STORE_MAX_CELLS', 'MAX_PROBE_FREQ', 'MAX_BRANCH_TOKENS', 'STORE_NESTING',
+           'ReplayStoreError', 'store_limit', 'LongNumber', 'ReplayStore', 'read_store_records', 'load_store_file',
+           'replay_dir', 'store_path', 'load_store', 'available_stores']
 
 # %% ../../nbs/01_replay_store.ipynb #9449db5f
 MODELS = ('Qwen3-0.6B', 'Qwen3-1.7B', 'Qwen3-4B', 'Qwen3-8B')
@@ -27,10 +29,38 @@ DATASETS = ('aime24', 'aime25', 'hmmt25')
 class ReplayStoreError(ValueError):
     "A replay store file is malformed; the message names the file, the question index and the field."
 
+# %% ../../nbs/01_replay_store.ipynb #868a7bc4
+STORE_MAX_BYTES = 128 << 20
+"Largest store file read (`TMAS_STORE_MAX_BYTES` raises it): 40 times the largest released store."
+STORE_MAX_CELLS = 1 << 25
+"Most questions × branches × probes a store may hold (`TMAS_STORE_MAX_CELLS` raises it): 128 MiB of probes."
+MAX_PROBE_FREQ, MAX_BRANCH_TOKENS = 10**9, 10**12
+
+def store_limit(env: str, default: int) -> int:
+    "The limit in environment variable `env` when it is set (a positive whole number), else `default`."
+    v = os.environ.get(env, '').strip().replace('_', '')
+    if not v: return default
+    if not v.isdigit() or len(v) > 30 or int(v) == 0: raise ValueError(f"{env}={terminal_safe(v[:40])!r}: must be a positive whole number")
+    return int(v)
+
 # %% ../../nbs/01_replay_store.ipynb #330fb5c3
 def _fail(path, qi, fld, msg):
     where = f"{path}" + (f", question {qi}" if qi is not None else "") + (f", field '{fld}'" if fld else "")
     raise ReplayStoreError(f"{where}: {msg}")
+
+def _show(v, width: int = 40) -> str:
+    "A value as an error message shows it: its repr with control characters escaped, cut at `width` characters."
+    s = terminal_safe(repr(v), keep_newlines=False)
+    return s if len(s) <= width else s[:width - 1] + '…'
+
+# %% ../../nbs/01_replay_store.ipynb #50dd9189
+class LongNumber:
+    "An integer of more digits than any count in a store (kept as its number of digits)."
+    __slots__ = ('digits',)
+    def __init__(self, text: str): self.digits = len(text.lstrip('-'))
+    def __repr__(self): return f'a number of {self.digits:,} digits'
+
+def _parse_int(text: str): return int(text) if len(text) <= 30 else LongNumber(text)
 
 # %% ../../nbs/01_replay_store.ipynb #25522ba0
 def _check_question(path, qi, d):
@@ -40,7 +70,8 @@ def _check_question(path, qi, d):
     if not isinstance(d['question'], str): _fail(path, qi, 'question', "must be a string")
     if not isinstance(d['gold_answer'], str): _fail(path, qi, 'gold_answer', f"must be a string, got {type(d['gold_answer']).__name__}")
     pf = d['probe_freq']
-    if isinstance(pf, bool) or not isinstance(pf, int) or pf <= 0: _fail(path, qi, 'probe_freq', f"must be a positive integer, got {pf!r}")
+    if isinstance(pf, bool) or not isinstance(pf, int) or not 0 < pf <= MAX_PROBE_FREQ:
+        _fail(path, qi, 'probe_freq', f"must be a positive integer up to {MAX_PROBE_FREQ:,}, got {_show(pf)}")
     br = d['each_branch']
     if not isinstance(br, list): _fail(path, qi, 'each_branch', "must be a list of [probe_list, branch_tokens, final_answer]")
     if not br: _fail(path, qi, 'each_branch', "is empty: a question needs at least one branch")
@@ -48,9 +79,10 @@ def _check_question(path, qi, d):
         f = f'each_branch[{bi}]'
         if not isinstance(b, (list, tuple)) or len(b) != 3: _fail(path, qi, f, "must be a triple [probe_list, branch_tokens, final_answer]")
         pl, tok, fin = b
-        if not isinstance(pl, list) or not all(isinstance(a, str) for a in pl): _fail(path, qi, f + '[0]', "probe_list must be a list of strings")
-        if isinstance(tok, bool) or not isinstance(tok, (int, float)) or tok < 0 or int(tok) != tok:
-            _fail(path, qi, f + '[1]', f"branch_tokens must be a non-negative integer, got {tok!r}")
+        if not isinstance(pl, list) or not all(map(isinstance, pl, repeat(str))): _fail(path, qi, f + '[0]', "probe_list must be a list of strings")
+        whole = (isinstance(tok, int) and not isinstance(tok, bool)) or (isinstance(tok, float) and 0 <= tok <= MAX_BRANCH_TOKENS and tok == int(tok))
+        if not whole or not 0 <= tok <= MAX_BRANCH_TOKENS:     # (no bool, NaN, infinity or fraction; nothing past 10^12)
+            _fail(path, qi, f + '[1]', f"branch_tokens must be a whole number from 0 to {MAX_BRANCH_TOKENS:,}, got {_show(tok)}")
         if not isinstance(fin, str): _fail(path, qi, f + '[2]', f"final_answer must be a string, got {type(fin).__name__}")
     if 'final_answers_trace' in d:
         t = d['final_answers_trace']
@@ -81,8 +113,8 @@ class ReplayStore:
 
 # %% ../../nbs/01_replay_store.ipynb #890df499
 @patch(cls_method=True)
-def from_records(cls:ReplayStore, records: list, name: str = 'store', path=None) -> 'ReplayStore':
-    "Build a store from the parsed JSON list (validated; errors name the question and field)."
+def from_records(cls:ReplayStore, records: list, name: str = 'store', path=None, max_cells: int | None = None) -> 'ReplayStore':
+    "Build a store from the parsed JSON list (validated, within `max_cells` questions × branches × probes, default `STORE_MAX_CELLS`; errors name the question and field)."
     src = path or name
     if not isinstance(records, list): _fail(src, None, None, "the file must hold a JSON list of questions")
     if not records: _fail(src, None, None, "the store holds no questions")
@@ -91,6 +123,11 @@ def from_records(cls:ReplayStore, records: list, name: str = 'store', path=None)
     B = max(len(d['each_branch']) for d in records)
     L = max(max((len(b[0]) for b in d['each_branch']), default=0) for d in records)
     L = max(L, 1)
+    limit = store_limit('TMAS_STORE_MAX_CELLS', STORE_MAX_CELLS) if max_cells is None else max_cells
+    if Q * B * L > limit:
+        _fail(src, None, None, f"{Q:,} questions x {B:,} branches x {L:,} probes = {Q * B * L:,} cells, over the limit of {limit:,} "
+                               f"(TMAS_STORE_MAX_CELLS); its arrays would take {Q * B * (L + 4) * 4 / 2**30:.1f} GiB. A real store "
+                               f"this large loads with TMAS_STORE_MAX_CELLS={Q * B * L}")
     probes = np.full((Q, B, L), -1, dtype=np.int32)
     n_probes = np.zeros((Q, B), dtype=np.int32)
     tokens = np.zeros((Q, B), dtype=np.int64)
@@ -128,6 +165,10 @@ def answer(self:ReplayStore, q: int, a: int) -> str | None:
 def orders(self:ReplayStore, seeds) -> np.ndarray:
     "Branch orders `[len(seeds), Q, B]` of the evaluation protocol (seed s: `random.Random(s).shuffle`)."
     seeds = [int(s) for s in seeds]
+    limit, (Q, B) = store_limit('TMAS_STORE_MAX_CELLS', STORE_MAX_CELLS), self.probes.shape[:2]
+    if len(seeds) * Q * B > limit:      # a store of few branches in all can still be wide: one question of many, many of one
+        raise ReplayStoreError(f"{self.path or self.name}: {len(seeds):,} seeds x {Q:,} questions x {B:,} branches = "
+                               f"{len(seeds) * Q * B:,} branch orders, over the limit of {limit:,} (TMAS_STORE_MAX_CELLS)")
     out = np.zeros((len(seeds), self.n_questions, self.probes.shape[1]), dtype=np.int32)
     for i, s in enumerate(seeds):
         for q in range(self.n_questions):
@@ -139,17 +180,52 @@ def orders(self:ReplayStore, seeds) -> np.ndarray:
             out[i, q, :nb] = self._orders[key]
     return out
 
-# %% ../../nbs/01_replay_store.ipynb #6c99435d
-def load_store_file(path) -> ReplayStore:
-    "Load and validate one replay store JSON file."
-    path = Path(path)
-    if not path.exists(): raise FileNotFoundError(f"replay store {path} does not exist")
-    try:
-        records = json.loads(path.read_text(encoding='utf-8'))
+# %% ../../nbs/01_replay_store.ipynb #fbde1cba
+_BRACKETS = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}:,]')
+STORE_NESTING = 100
+"Nesting depth past which a store is refused (a store nests 5 levels: questions, a question, branches, a branch, probes)."
+
+def _deep_site(text: str, depth: int = STORE_NESTING) -> tuple:
+    "(question index, field) where `text` first nests deeper than `depth`; (None, None) when it does not."
+    level, qi, key, last = 0, 0, None, None
+    for m in _BRACKETS.finditer(text):
+        t = m.group()
+        if t[0] == '"': last = t
+        elif t == ':':
+            if level == 2: key = last
+        elif t == ',':
+            if level == 1: qi, key = qi + 1, None
+        elif t in '[{':
+            level += 1
+            if level > depth:
+                try: fld = json.loads(key) if key else None
+                except ValueError: fld = None
+                return (qi if level > 1 else None), fld
+        else: level -= 1
+    return None, None
+
+# %% ../../nbs/01_replay_store.ipynb #5c8512ba
+def read_store_records(path, follow_links: bool = True, max_bytes: int | None = None) -> list:
+    "The parsed JSON of store file `path`: a regular file (a link only with `follow_links`) of at most `max_bytes` (default `STORE_MAX_BYTES`)."
+    limit = store_limit('TMAS_STORE_MAX_BYTES', STORE_MAX_BYTES) if max_bytes is None else max_bytes
+    try: text = read_untrusted_text(os.path.realpath(path) if follow_links else path, limit, 'replay store')
+    except UntrustedFileError as e:
+        raise ReplayStoreError(str(e) + (' (TMAS_STORE_MAX_BYTES raises it)' if f'limit of {limit:,}' in str(e) else '')) from None
+    try: return json.loads(text, parse_int=_parse_int)
     except json.JSONDecodeError as e:
         raise ReplayStoreError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    except RecursionError:
+        qi, fld = _deep_site(text)
+        _fail(path, qi, fld, f"nested more than {STORE_NESTING} levels deep (a store nests 5)")
+
+# %% ../../nbs/01_replay_store.ipynb #6c99435d
+def load_store_file(path, follow_links: bool = True, max_bytes: int | None = None, max_cells: int | None = None) -> ReplayStore:
+    "Load and validate one replay store JSON file (`read_store_records`, then `ReplayStore.from_records`)."
+    path = Path(path)
+    if not (path.exists() if follow_links else os.path.lexists(path)): raise FileNotFoundError(f"replay store {path} does not exist")
+    records = read_store_records(path, follow_links, max_bytes)
     name = f"{path.parent.name}/{path.stem}"
-    return ReplayStore.from_records(records, name=name, path=path)
+    return ReplayStore.from_records(records, name=name, path=path, max_cells=max_cells)
 
 # %% ../../nbs/01_replay_store.ipynb #5c71a33a
 def replay_dir(data_dir_=None) -> Path:
