@@ -14,9 +14,10 @@ from fastcore.basics import patch
 # %% auto #0
 __all__ = ['HTTP_FLAGS', 'MAX_JSON_DEPTH', 'FILES_RESERVED', 'HTTPLimits', 'add_http_flags', 'http_limits_from_args',
            'flag_message', 'BadRequest', 'error_body', 'json_bytes', 'send_json', 'ClientGone', 'json_guard',
-           'read_json', 'judge_prompt_chars', 'judge_chat_size', 'bearer_ok', 'unauthorized_body', 'KeyRequired',
-           'is_loopback', 'check_exposure', 'LoopbackHostsOnly', 'raise_open_files_limit', 'ConnectionGuard',
-           'guarded_protocol', 'WorkPool', 'Admission', 'unless_disconnected', 'http_server']
+           'short_repr', 'count_messages', 'read_json', 'judge_prompt_chars', 'judge_chat_size', 'bearer_ok',
+           'unauthorized_body', 'KeyRequired', 'is_loopback', 'check_exposure', 'LoopbackHostsOnly',
+           'raise_open_files_limit', 'ConnectionGuard', 'guarded_protocol', 'WorkPool', 'Admission',
+           'unless_disconnected', 'http_server']
 
 # %% ../../nbs/15d_llm_guards.ipynb #20a6ee23
 @dataclass
@@ -129,9 +130,9 @@ def _path_of_bad_text(obj, path='') -> str | None:
         elif isinstance(o, list): stack.extend((v, f'{p}[{i}]') for i, v in enumerate(o))
     return None
 
-def json_guard(obj, max_depth: int, check_text: bool = True):
+def json_guard(obj, max_depth: int, check_text: bool = True, check_depth: bool = True):
     "Refuse (400) a parsed JSON document nested deeper than `max_depth`, or (`check_text`) holding a lone surrogate."
-    stack = [(obj, 1)] if isinstance(obj, (dict, list)) else []
+    stack = [(obj, 1)] if check_depth and isinstance(obj, (dict, list)) else []
     while stack:
         o, d = stack.pop()
         if d > max_depth:
@@ -149,7 +150,9 @@ MAX_JSON_DEPTH = HTTPLimits.max_json_depth
 
 def _size(n: int) -> str: return f'{n / 2**20:g} MB' if n >= 2**20 else f'{n} bytes'
 
-def _short(v) -> str: s = repr(v); return s if len(s) <= 40 else s[:37] + '...'
+def short_repr(v) -> str:
+    "`repr(v)`, cut to 40 characters: how an error message quotes what a client sent."
+    s = repr(v); return s if len(s) <= 40 else s[:37] + '...'
 
 def _no_constant(name: str): raise ValueError(f'{name} is not a JSON number')
 
@@ -169,13 +172,20 @@ async def _body(request, limit: int) -> bytes:
         chunks.append(chunk)
         if not msg.get('more_body', False): return b''.join(chunks)
 
-async def read_json(request, limit: int, max_depth: int = MAX_JSON_DEPTH):
-    "The JSON body of a starlette `request`: 415 unless sent as JSON, 413 past `limit` bytes, 400 unless UTF-8 JSON within `max_depth` levels without lone surrogates."
+def count_messages(raw: bytes) -> int:
+    "How many `role` keys (one per chat message) the JSON text `raw` holds, counted without parsing it (at most: spacing other than one blank before the colon is not counted)."
+    return raw.count(b'"role":') + raw.count(b'"role" :')    # inside a JSON string a quote is escaped: never counted there
+
+async def read_json(request, limit: int, max_depth: int = MAX_JSON_DEPTH, max_messages: int | None = None):
+    "The JSON body of a starlette `request`: 415 unless sent as JSON, 413 past `limit` bytes, 400 unless UTF-8 JSON within `max_depth` levels without lone surrogates (and, given `max_messages`, not more chat messages)."
     ctype = request.headers.get('content-type', '').split(';')[0].strip().lower()
     if ctype != 'application/json':
-        raise BadRequest(f"send the body as JSON with the header 'Content-Type: application/json' (got {_short(ctype or None)})",
+        raise BadRequest(f"send the body as JSON with the header 'Content-Type: application/json' (got {short_repr(ctype or None)})",
                          status=415)
     raw = await _body(request, limit)
+    if max_messages is not None and len(raw) > 64 * max_messages and (n := count_messages(raw)) > max_messages:
+        raise BadRequest(f"messages: {n:,} messages; this server takes at most {max_messages:,} per request (--max-messages)",
+                         param='messages')
     try: text = raw.decode('utf-8')
     except UnicodeDecodeError as e:
         raise BadRequest(f'the request body is not UTF-8 text ({e.reason} at byte {e.start}); send JSON encoded as UTF-8') from None
@@ -184,7 +194,8 @@ async def read_json(request, limit: int, max_depth: int = MAX_JSON_DEPTH):
         raise BadRequest(f'the request body nests JSON more than {max_depth} levels deep; no field of this API needs '
                          'more than a few') from None
     except ValueError as e: raise BadRequest(f'the request body is not valid JSON ({str(e)[:120]})') from None
-    json_guard(obj, max_depth, check_text=bool(_SURROGATE_ESCAPE.search(text)))
+    deep = text.count('[') + text.count('{') > max_depth                # fewer brackets: no walk needed for the depth
+    json_guard(obj, max_depth, check_text=bool(_SURROGATE_ESCAPE.search(text)), check_depth=deep)
     return obj
 
 # %% ../../nbs/15d_llm_guards.ipynb #649f81ee
@@ -262,7 +273,7 @@ class LoopbackHostsOnly:
     async def __call__(self, scope, receive, send):
         host = dict(scope.get('headers') or []).get(b'host', b'').decode('latin-1')
         if scope['type'] == 'http' and not is_loopback(_host_name(host)):
-            msg = (f"Host {_short(host)} is not a name of this loopback server; send requests to 127.0.0.1 or localhost "
+            msg = (f"Host {short_repr(host)} is not a name of this loopback server; send requests to 127.0.0.1 or localhost "
                    "(to serve other names, listen on them with --host and give an --api-key)")
             return await send_json(send, 403, error_body(msg, 403))
         await self.app(scope, receive, send)
@@ -289,15 +300,22 @@ def _raw_response(status: int, reason: str, message: str) -> bytes:
 class ConnectionGuard:
     "The open connections of one server: at most `max_connections`, each given `header_timeout_s` for its headers and `body_timeout_s` for its body."
     def __init__(self, limits: HTTPLimits, file_limit: int | None = None):
-        files = file_limit or resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        self.max_connections = max(1, min(limits.max_connections, files - FILES_RESERVED))
+        self.cap, self.fixed_file_limit = limits.max_connections, file_limit
         self.header_timeout_s, self.body_timeout_s = limits.header_timeout_s, limits.body_timeout_s
         self.open = {}                                    # protocol -> [phase, timer], oldest first
         self.counts = dict(timed_out=0, evicted=0, refused=0)
 
+    @property
+    def file_limit(self) -> int:
+        "The open-file limit the cap stays below: the one given, else the process's soft limit now."
+        return self.fixed_file_limit or resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+    @property
+    def max_connections(self) -> int: return max(1, min(self.cap, self.file_limit - FILES_RESERVED))
+
     def stats(self) -> dict:
-        "Open connections, the cap, and how many were closed for being slow, evicted at the cap or refused."
-        return {'open': len(self.open), 'max': self.max_connections, **self.counts}
+        "Open connections, the cap, the file limit, and how many were closed for being slow, evicted at the cap or refused."
+        return {'open': len(self.open), 'max': self.max_connections, 'file_limit': self.file_limit, **self.counts}
 
 # %% ../../nbs/15d_llm_guards.ipynb #c8630767
 @patch
@@ -346,9 +364,10 @@ def _close(self:ConnectionGuard, p) -> None:
 def admit(self:ConnectionGuard, transport) -> bool:
     "Whether a new connection on `transport` may stay: below the cap, or once the oldest idle one is closed (503 and closed otherwise)."
     if len(self.open) < self.max_connections: return True
-    for p in self.open:                                   # oldest first
-        if self._idle(p):
-            self.counts['evicted'] += 1; self._close(p); return True
+    for body_too in (False, True):                        # oldest first; a body being sent only when nothing else is idle
+        for p in self.open:
+            if self._idle(p) and (body_too or self._phase(p) != 'body'):
+                self.counts['evicted'] += 1; self._close(p); return True
     self.counts['refused'] += 1
     transport.write(_raw_response(503, 'Service Unavailable', f'the server has {self.max_connections} connections open, '
                                   'each with a request in progress (--max-connections); retry in a moment'))
@@ -377,6 +396,7 @@ def guarded_protocol(base: type, guard: ConnectionGuard) -> type:
             super().connection_made(transport)
             guard.opened(self)
         def data_received(self, data):
+            if self.refused: return
             super().data_received(data)
             guard.watch(self)
         def connection_lost(self, exc):
@@ -525,13 +545,12 @@ def http_server(app, limits: HTTPLimits, admission: Admission | None = None, log
                 guard: ConnectionGuard | None = None):
     "A uvicorn server for the ASGI `app` within `limits`, with guarded connections and a shutdown that answers every request."
     import uvicorn
-    files = raise_open_files_limit()
-    guard = guard or ConnectionGuard(limits, files)
+    raise_open_files_limit()                                        # the guard's cap follows the raised limit
+    guard = guard or ConnectionGuard(limits)
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None):
-            for s in getattr(self, 'servers', []): s.close()              # no new connections from now on
-            if admission is not None: await admission.drain(limits.shutdown_timeout_s)
-            await super().shutdown(sockets=sockets)
+            if admission is not None: await admission.drain(limits.shutdown_timeout_s)   # new requests meanwhile: 503
+            await super().shutdown(sockets=sockets)                       # then stop listening and close connections
     config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan='off', http='h11', ws='none',
                             timeout_keep_alive=limits.keep_alive_s, timeout_graceful_shutdown=5)
     config.load()

@@ -11,10 +11,10 @@ from fastcore.basics import patch
 
 from .core import LLM, Request, Completion, MAX_TOP_LOGPROBS, engine_load, supports_logprobs
 from .engines import measure_throughput
-from .guards import (HTTPLimits, BadRequest, error_body, json_bytes, read_json, judge_chat_size, judge_prompt_chars,
-                                bearer_ok, KeyRequired, is_loopback, check_exposure, LoopbackHostsOnly, ConnectionGuard,
-                                WorkPool, Admission, ClientGone, unless_disconnected, http_server, add_http_flags,
-                                http_limits_from_args, flag_message)
+from .guards import (
+    HTTPLimits, BadRequest, error_body, json_bytes, short_repr, read_json, judge_chat_size, judge_prompt_chars, bearer_ok,
+    KeyRequired, is_loopback, check_exposure, LoopbackHostsOnly, ConnectionGuard, WorkPool, Admission, ClientGone,
+    unless_disconnected, http_server, add_http_flags, http_limits_from_args, flag_message)
 from .transformers_backend import request_prompt_ids
 from ..settings import deprecated_alias
 
@@ -74,7 +74,7 @@ def _check_body(body, served_model: str):
         raise BadRequest(f"The model `{model!s:.80}` does not exist; this server serves `{served_model}`", status=404, param='model')
 
 # %% ../../nbs/15_llm_server.ipynb #6d33cda8
-def _short(v) -> str: s = repr(v); return s if len(s) <= 40 else s[:37] + '...'
+_short = short_repr                # how an error message quotes what a client sent (llm.guards)
 
 def _integer(body: dict, field: str, default, lo: int | None = 1, hi: int | None = None, why: str = ''):
     "`body[field]` as an integer (not a bool) in [lo, hi]; `default` when it is absent or null."
@@ -121,9 +121,9 @@ NOT_SERVED = {   # field: (the values that ask for nothing, why the others are r
     'frequency_penalty': (lambda v: v == 0, f'frequency_penalty {_NONE} (or send 0)'),
     'repetition_penalty': (lambda v: v == 1, f'repetition_penalty {_NONE} (or send 1)'),
     'response_format': (lambda v: v == {'type': 'text'}, f'response_format (JSON mode, JSON schemas) {_NONE}'),
-    'tools': (lambda v: v == [], f'tools (function calling) {_NONE}'),
+    'tools': (lambda v: v == [], 'tools (function calling) are not supported by this server; leave them out'),
     'tool_choice': (lambda v: v == 'none', f'tool_choice (function calling) {_NONE}'),
-    'functions': (lambda v: v == [], f'functions (function calling) {_NONE}'),
+    'functions': (lambda v: v == [], 'functions (function calling) are not supported by this server; leave them out'),
     'function_call': (lambda v: v == 'none', f'function_call (function calling) {_NONE}'),
     'parallel_tool_calls': (lambda v: False, f'parallel_tool_calls (function calling) {_NONE}'),
     'stream_options': (lambda v: False, 'stream_options belong to streaming, which this server does not do; leave them out'),
@@ -133,7 +133,7 @@ NOT_SERVED = {   # field: (the values that ask for nothing, why the others are r
     'echo': (lambda v: v is False, 'echo is not supported by this server; send "echo": false'),
     'suffix': (lambda v: False, f'suffix (insertion) {_NONE}'),
     'best_of': (lambda v: v == 1, 'best_of is not supported by this server; ask for n samples and choose yourself'),
-    'modalities': (lambda v: v == ['text'], f'modalities other than text {_NONE}'),
+    'modalities': (lambda v: v == ['text'], 'modalities other than text are not supported by this server; leave them out'),
     'audio': (lambda v: False, f'audio {_NONE}'),
     'prediction': (lambda v: False, f'prediction (predicted outputs) {_NONE}'),
     'reasoning_effort': (lambda v: False, f'reasoning_effort {_NONE} (chat_template_kwargs.enable_thinking switches thinking models)'),
@@ -394,7 +394,7 @@ def _endpoint(app, parse, respond):
     async def handle(request):
         s.counts['requests'] += 1
         try:
-            body = await read_json(request, s.limits.max_body_bytes, s.limits.max_json_depth)
+            body = await read_json(request, s.limits.max_body_bytes, s.limits.max_json_depth, s.limits.max_messages)
             req = parse(body, s.model_name, role=_role(request), limits=s.limits)
             if req.logprobs is not None and not s.logprobs:
                 raise BadRequest("logprobs: this server's backend does not compute them; leave them out", param='logprobs')
@@ -458,7 +458,7 @@ def _add_tokenizer_routes(app, tok, limits: ServerLimits):
     def route(fn, size):
         async def handle(request):
             try:
-                body = await read_json(request, limits.max_body_bytes, limits.max_json_depth)
+                body = await read_json(request, limits.max_body_bytes, limits.max_json_depth, limits.max_messages)
                 return await app.state.pool.run(size(body), fn, body)
             except BadRequest as e: return refusal(e)
             except ClientGone: return Response(status_code=499)
