@@ -141,6 +141,17 @@ NOT_SERVED = {   # field: (the values that ask for nothing, why the others are r
     'store': (lambda v: v is False, f'store {_NONE}'),
     'metadata': (lambda v: v == {}, f'metadata (stored completions) {_NONE}'),
     'service_tier': (lambda v: v in ('auto', 'default'), f'service_tier {_NONE}'),
+    # vLLM and SGLang extensions, which routers (vllm-router, sglang-router) fill in with their defaults: accepted at
+    # the value that describes what this server does anyway
+    'skip_special_tokens': (lambda v: v is True, 'skip_special_tokens: this server always leaves special tokens out of the text; leave it out'),
+    'no_stop_trim': (lambda v: v is False, 'no_stop_trim: this server always cuts the text before a stop string; leave it out'),
+    'include_stop_str_in_output': (lambda v: v is False, 'include_stop_str_in_output: this server always cuts the text before a stop string; leave it out'),
+    'continue_final_message': (lambda v: v is False, 'continue_final_message is not supported by this server (use /v1/completions with the prompt); leave it out'),
+    'add_generation_prompt': (lambda v: v is True, 'add_generation_prompt: this server always opens the assistant turn (use /v1/completions for other prompts); leave it out'),
+    'separate_reasoning': (lambda v: v is True, 'separate_reasoning: this server always returns the reasoning apart, as reasoning_content; leave it out'),
+    'include_reasoning': (lambda v: v is True, 'include_reasoning: this server always returns the reasoning, as reasoning_content; leave it out'),
+    'stream_reasoning': (lambda v: isinstance(v, bool), 'stream_reasoning belongs to streaming, which this server does not do; leave it out'),
+    'return_hidden_states': (lambda v: v is False, f'return_hidden_states {_NONE}'),
 }
 
 def check_fields(body: dict, read: tuple, refused: dict | None = None) -> None:
