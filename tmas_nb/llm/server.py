@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 from fastcore.basics import patch
 
 from .core import LLM, Request, Completion, MAX_TOP_LOGPROBS, engine_load, supports_logprobs
-from .engines import measure_throughput
+from .engines import machine_fingerprint, measure_throughput, read_calibration
 from .guards import (
     HTTPLimits, BadRequest, error_body, json_bytes, short_repr, read_json, judge_chat_size, judge_prompt_chars, bearer_ok,
     KeyRequired, is_loopback, check_exposure, LoopbackHostsOnly, ConnectionGuard, WorkPool, Admission, ClientGone,
@@ -566,16 +566,30 @@ def _limits_from_args(args, llm: LLM | None = None, measured: dict | None = None
         for field, flag in _FLAGS.items(): msg = msg.replace(f'ServerLimits.{field}:', f'{flag}:')
         raise ValueError(msg) from None
 
+def _calibrated_speed(args) -> dict | None:
+    "Tokens/s by requests in flight of this engine from `tmas engines calibrate` on this machine, or None."
+    try: cal = read_calibration(args.model, args.threads)
+    except ValueError: return None
+    row = (cal or {}).get('tokens_per_s', {}).get('transformers-int8' if args.quantize else 'transformers')
+    if not row or cal.get('machine') != machine_fingerprint(): return None
+    return {int(w): float(v) for w, v in row.items()}
+
 def _measured_sizes(llm: LLM, args) -> tuple[dict, str]:
-    "On a CPU, the sizes the command line left out, from a few seconds of the engine's own speed; and a note saying so."
+    "On a CPU, the sizes the command line left out, from the engine's speed (its calibration, else a few seconds measured now); and a note saying so."
     model = getattr(llm, 'model', None)                          # a model in this process (not a remote one)
     widths = ([1] if args.default_max_tokens is None else []) + ([8] if args.max_n is None else [])
     if model is None or not str(getattr(model, 'device', 'cpu')).startswith('cpu') or not widths: return {}, ''
-    try: speed = measure_throughput(llm, widths, max_new_tokens=16, singles=1)
-    except Exception as e: return {}, f'the engine could not be measured ({type(e).__name__}); the defaults stay'
-    finally: llm.usage.reset()                                   # /v1/usage counts clients' requests only
+    speed, how = _calibrated_speed(args), 'calibrated'
+    if speed is None:
+        how = 'measured'
+        try:
+            llm.generate_sync([Request.from_prompt('Hi', max_new_tokens=2, temperature=0)])   # warm up: the first call is slower
+            speed = measure_throughput(llm, widths, max_new_tokens=16, singles=1)
+        except Exception as e: return {}, f'the engine could not be measured ({type(e).__name__}); the defaults stay'
+        finally: llm.usage.reset()                               # /v1/usage counts clients' requests only
+    speed = {w: speed[w] for w in widths if w in speed}
     sizes = cpu_sizes(speed, default_max_tokens=args.default_max_tokens)
-    return sizes, ('measured ' + ', '.join(f'{v:.0f} tokens/s with {w} in flight' for w, v in speed.items()) + ': '
+    return sizes, (f'{how} ' + ', '.join(f'{v:.0f} tokens/s with {w} in flight' for w, v in speed.items()) + ': '
                    + ', '.join(f'{_FLAGS[k]} {v}' for k, v in sizes.items()))
 
 def _close_within(llm: LLM, timeout: float) -> bool:
