@@ -130,6 +130,12 @@ FLAGS = {
     '--default-max-tokens': ('max_tokens of a request that gives none', {'serve'}),
     '--max-body-mb': ('largest request body', {'serve'}), '--max-queue': ('requests queued at once', {'serve'}),
     '--shutdown-timeout': ('grace period on SIGTERM', {'serve'}),
+    '--max-messages': ('most chat messages per request', {'serve'}),
+    '--max-message-chars': ('most characters per chat message', {'serve'}),
+    '--max-connections': ('most open connections', {'serve'}),
+    '--header-timeout': ('seconds for a request line and headers', {'serve'}),
+    '--body-timeout': ('seconds for a request body', {'serve'}),
+    '--keep-alive': ('seconds an idle connection stays open', {'serve'}),
     '--allow-unauthenticated': ('no key beyond loopback', {'serve'}), '--log-level': ('uvicorn log level', {'serve'}),
     # engines, reports, RL
     '--widths': ('widths to measure', {'engines calibrate'}), '--width': ('a width to show', {'engines show'}),

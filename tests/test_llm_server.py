@@ -24,15 +24,16 @@ def free_port() -> int:
 
 
 class Server:
-    "A `python -m tmas_nb.cli serve` subprocess serving the small model on 127.0.0.1:port (with `flags` added)."
-    def __init__(self, port: int, log_dir: Path, flags=('--max-n', str(MAX_N))):
+    """A `python -m tmas_nb.cli serve` subprocess serving the small model on 127.0.0.1:port (with `flags` added);
+    `preexec` runs in the child before it starts (to join a cgroup, to lower its file limit)."""
+    def __init__(self, port: int, log_dir: Path, flags=('--max-n', str(MAX_N)), preexec=None):
         self.port, self.log = port, log_dir / f'server-{port}-{time.monotonic_ns()}.log'
         env = {**os.environ, 'HF_HUB_OFFLINE': '1', 'OMP_NUM_THREADS': '1', 'TOKENIZERS_PARALLELISM': 'false'}
         self.t0 = time.monotonic()
         with open(self.log, 'wb') as f:
             self.proc = subprocess.Popen(
                 [sys.executable, '-m', 'tmas_nb.cli', 'serve', '--model', MODEL, '--port', str(port),
-                 '--threads', '1', *flags], stdout=f, stderr=subprocess.STDOUT, env=env)
+                 '--threads', '1', *flags], stdout=f, stderr=subprocess.STDOUT, env=env, preexec_fn=preexec)
 
     @property
     def url(self) -> str: return f'http://127.0.0.1:{self.port}/v1'

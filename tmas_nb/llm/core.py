@@ -12,11 +12,13 @@ from typing import NamedTuple
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['THINK_OPEN', 'THINK_CLOSE', 'TRUNCATED_NOTE', 'BACKENDS', 'Request', 'ThinkingSplit', 'split_thinking',
-           'split_reasoning', 'Completion', 'TokenUsage', 'run_sync', 'LLM', 'LazyLLM', 'engine_stats']
+__all__ = ['MAX_TOP_LOGPROBS', 'THINK_OPEN', 'THINK_CLOSE', 'TRUNCATED_NOTE', 'BACKENDS', 'Request', 'ThinkingSplit',
+           'split_thinking', 'split_reasoning', 'Completion', 'TokenUsage', 'run_sync', 'LLM', 'LazyLLM',
+           'wrapped_backends', 'engine_stats', 'supports_logprobs', 'engine_load']
 
 # %% ../../nbs/10_llm_core.ipynb #1ade0527
 _CHAT_ROLES = ('system', 'user', 'assistant', 'tool', 'developer')
+MAX_TOP_LOGPROBS = 20   # as OpenAI's top_logprobs
 
 @dataclass
 class Request:
@@ -32,6 +34,7 @@ class Request:
     stop: list[str] | None = None
     enable_thinking: bool | None = None
     prompt: str | list[int] | None = None
+    logprobs: int | None = None      # per generated token: None none, 0 its log-probability, k also the k likeliest
 
     def __post_init__(self): self.validate()
 
@@ -84,6 +87,8 @@ def validate(self:Request) -> Request:
     if self.stop is not None:
         if isinstance(self.stop, str): bad('stop', f"must be a list of strings, not a string; write stop=[{self.stop!r}]")
         if not all(isinstance(s, str) and s for s in self.stop): bad('stop', f"must be a list of non-empty strings, got {self.stop!r}")
+    if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+        bad('logprobs', f"must be None or an integer from 0 to {MAX_TOP_LOGPROBS} (alternatives per token), got {self.logprobs!r}")
     if self.enable_thinking not in (None, True, False): bad('enable_thinking', f"must be None, True or False, got {self.enable_thinking!r}")
     return self
 
@@ -91,10 +96,12 @@ def validate(self:Request) -> Request:
 @patch
 def sampling_key(self:Request) -> dict:
     "The sampling settings as a canonical dict (fixed types and order); `n` and `role` are not part of it."
-    return {'temperature': float(self.temperature), 'top_p': float(self.top_p),
-            'top_k': None if self.top_k is None else int(self.top_k),
-            'max_new_tokens': int(self.max_new_tokens), 'seed': self.seed,
-            'stop': None if not self.stop else list(self.stop), 'enable_thinking': self.enable_thinking}
+    key = {'temperature': float(self.temperature), 'top_p': float(self.top_p),
+           'top_k': None if self.top_k is None else int(self.top_k),
+           'max_new_tokens': int(self.max_new_tokens), 'seed': self.seed,
+           'stop': None if not self.stop else list(self.stop), 'enable_thinking': self.enable_thinking}
+    if self.logprobs is not None: key['logprobs'] = int(self.logprobs)   # only when asked: older keys stay as they were
+    return key
 
 # %% ../../nbs/10_llm_core.ipynb #8b069658
 @patch(as_prop=True)
@@ -140,6 +147,7 @@ class Completion:
     completion_tokens: int = 0
     latency_s: float = 0.0
     cached: bool = False
+    logprobs: list[dict] | None = None   # per token {'id', 'logprob', 'top': [[id, logprob], ...]} when the request asked
 
     @classmethod
     def from_raw(cls, raw: str, opens_in_prompt: bool = False, **kw) -> Completion:
@@ -227,6 +235,7 @@ def run_sync(coro):
 class LLM(ABC):
     "Base class of every model backend: validation, usage accounting and the sync wrapper live here."
     model_id: str = 'unknown'
+    logprobs_supported: bool = False   # whether `Completion.logprobs` is filled when a request asks
 
     def __init__(self, model_id: str | None = None):
         if model_id is not None: self.model_id = model_id
@@ -305,11 +314,26 @@ class LazyLLM(LLM):
         if self.backend is not None: self.backend.close()
 
 # %% ../../nbs/10_llm_core.ipynb #4d6cdae4
-def engine_stats(llm: LLM) -> dict:
-    "The `stats` of the backend inside `llm` (through caches and wrappers): engines used and their fallbacks; {} when none."
+def wrapped_backends(llm: LLM):
+    "`llm` and the backends inside it, through caches and wrappers (`.backend`, `.llm`), outermost first."
     seen = set()
     while llm is not None and id(llm) not in seen:
-        seen.add(id(llm))
-        if isinstance(getattr(llm, 'stats', None), dict): return copy.deepcopy(llm.stats)
+        seen.add(id(llm)); yield llm
         llm = getattr(llm, 'backend', None) or getattr(llm, 'llm', None)
+
+def engine_stats(llm: LLM) -> dict:
+    "The `stats` of the backend inside `llm` (through caches and wrappers): engines used and their fallbacks; {} when none."
+    for x in wrapped_backends(llm):
+        if isinstance(getattr(x, 'stats', None), dict): return copy.deepcopy(x.stats)
+    return {}
+
+# %% ../../nbs/10_llm_core.ipynb #5acb393a
+def supports_logprobs(llm: LLM) -> bool:
+    "Whether the backend inside `llm` fills `Completion.logprobs` when a request asks for them."
+    return any(getattr(x, 'logprobs_supported', False) for x in wrapped_backends(llm))
+
+def engine_load(llm: LLM) -> dict:
+    "What the backend inside `llm` is doing now (`load()`: rows decoding, parts queued); {} when it cannot say."
+    for x in wrapped_backends(llm):
+        if callable(getattr(x, 'load', None)): return dict(x.load())
     return {}

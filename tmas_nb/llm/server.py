@@ -4,63 +4,66 @@
 
 # %% ../../nbs/15_llm_server.ipynb #a3e01800
 from __future__ import annotations
-import argparse, asyncio, inspect, ipaddress, json, math, os, secrets, socket, sys, threading, time, uuid
-from collections import deque
-from dataclasses import dataclass
+import argparse, asyncio, functools, inspect, json, math, os, socket, sys, threading, time, uuid
+from dataclasses import asdict, dataclass
 
 from fastcore.basics import patch
 
-from .core import LLM, Request, Completion
+from .core import LLM, Request, Completion, MAX_TOP_LOGPROBS, engine_load, supports_logprobs
+from .engines import machine_fingerprint, measure_throughput, read_calibration
+from .guards import (
+    HTTPLimits, BadRequest, error_body, json_bytes, short_repr, read_json, judge_chat_size, judge_prompt_chars, bearer_ok,
+    KeyRequired, is_loopback, check_exposure, LoopbackHostsOnly, ConnectionGuard, WorkPool, Admission, ClientGone,
+    unless_disconnected, http_server, add_http_flags, http_limits_from_args, flag_message)
 from .transformers_backend import request_prompt_ids
 from ..settings import deprecated_alias
 
 # %% auto #0
-__all__ = ['MAX_STOPS', 'ServerLimits', 'BadRequest', 'parse_chat_request', 'completion_response', 'raw_prompt',
-           'parse_completion_request', 'text_completion_response', 'prompt_fits', 'tokenize_body', 'detokenize_body',
-           'read_json', 'bearer_ok', 'is_loopback', 'check_exposure', 'LoopbackHostsOnly', 'Admission',
-           'generate_isolated', 'ClientGone', 'unless_disconnected', 'create_app', 'serve', 'ServerThread', 'serve_cli']
+__all__ = ['MAX_STOPS', 'CHAT_FIELDS', 'COMPLETION_FIELDS', 'NOT_SERVED', 'REQUEST_BUDGET_S', 'longest_token_chars',
+           'ServerLimits', 'check_fields', 'parse_chat_request', 'prompt_chars', 'chars_fit', 'choice_logprobs',
+           'completion_response', 'raw_prompt', 'parse_completion_request', 'text_completion_response', 'prompt_fits',
+           'tokenize_body', 'detokenize_body', 'generate_isolated', 'refusal', 'create_app', 'serve', 'ServerThread',
+           'cpu_sizes', 'serve_cli']
+
+# %% ../../nbs/15_llm_server.ipynb #23f034d2
+def longest_token_chars(tok) -> int | None:
+    "Characters of the longest token of `tok` as its vocabulary spells it (at least its length as text); None without a tokenizer."
+    vocab = tok.get_vocab() if callable(getattr(tok, 'get_vocab', None)) else None
+    return max(map(len, vocab), default=None) if vocab else None
 
 # %% ../../nbs/15_llm_server.ipynb #0f7aeb96
 @dataclass
-class ServerLimits:
-    "What the server refuses at once instead of working on it: samples, tokens, body size and waiting requests."
+class ServerLimits(HTTPLimits):
+    "What a model server refuses at once instead of working on it: `HTTPLimits`, and samples, tokens and the context."
     max_n: int = 64                    # samples per request; more is a 400 naming the limit (clients split their calls)
     max_tokens: int | None = None      # new tokens per request; None: the model's context (unchecked without one)
     default_max_tokens: int = 512      # max_tokens when a request does not say (lowered to what fits in the context)
     context: int | None = None         # prompt + new tokens must fit; None: not checked
     vocab_size: int | None = None      # token ids of a raw prompt must be below it; None: not checked
-    max_body_bytes: int = 4 << 20      # a larger request body is a 413
-    max_queue: int = 256               # requests waiting or generating at once; one more is a 503 with Retry-After
-    shutdown_timeout_s: float = 10.0   # on SIGTERM, requests in flight get this long to finish, then are cancelled
+    longest_token_chars: int | None = None   # characters of the tokenizer's longest token; with `context` it bounds a prompt's characters
+    tokenize_workers: int = 2          # threads that template and tokenise prompts, shortest prompt first
 
     def __post_init__(self):
-        for f in ('max_n', 'default_max_tokens', 'max_body_bytes', 'max_queue', 'max_tokens', 'context', 'vocab_size'):
+        super().__post_init__()
+        for f in ('max_n', 'default_max_tokens', 'max_tokens', 'context', 'vocab_size', 'longest_token_chars', 'tokenize_workers'):
             v = getattr(self, f)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"ServerLimits.{f}: must be an integer >= 1, got {v!r}")
-        if not self.shutdown_timeout_s >= 0:
-            raise ValueError(f"ServerLimits.shutdown_timeout_s: must be a number of seconds >= 0, got {self.shutdown_timeout_s!r}")
         if self.max_tokens is None: self.max_tokens = self.context
         if self.max_tokens is not None: self.default_max_tokens = min(self.default_max_tokens, self.max_tokens)
+        if self.max_prompt_chars is None and self.context and self.longest_token_chars:
+            self.max_prompt_chars = self.context * self.longest_token_chars
 
     @classmethod
     def for_model(cls, llm: LLM, **given) -> ServerLimits:
-        "Limits for `llm`, with its context length and vocabulary size read from its model's config; `None`s in `given` keep the defaults."
+        "Limits for `llm`: context length and vocabulary size from its model's config, the longest token from its tokenizer; `None`s in `given` keep the defaults."
         cfg = getattr(getattr(llm, 'model', None), 'config', None)
-        found = dict(context=getattr(cfg, 'max_position_embeddings', None), vocab_size=getattr(cfg, 'vocab_size', None))
+        found = dict(context=getattr(cfg, 'max_position_embeddings', None), vocab_size=getattr(cfg, 'vocab_size', None),
+                     longest_token_chars=longest_token_chars(getattr(llm, 'tokenizer', None)))
         return cls(**{k: v for k, v in {**found, **given}.items() if v is not None})
 
 # %% ../../nbs/15_llm_server.ipynb #5377b380
-class BadRequest(ValueError):
-    "A request the server refuses; `status` is the HTTP code to answer."
-    def __init__(self, message: str, status: int = 400, param: str | None = None):
-        super().__init__(message); self.status, self.param = status, param
-
-_KINDS = {400: 'BadRequestError', 403: 'PermissionDeniedError', 404: 'NotFoundError', 413: 'RequestTooLargeError',
-          415: 'UnsupportedMediaTypeError', 500: 'InternalServerError', 503: 'ServiceUnavailableError'}
-
-def _error_body(message: str, status: int, param: str | None = None) -> dict:
-    return {'error': {'message': message, 'type': _KINDS.get(status, 'Error'), 'param': param, 'code': status}}
+_error_body = error_body          # the OpenAI error object (llm.guards), under its older name
 
 def _check_body(body, served_model: str):
     "Refuse what neither endpoint serves: a body that is not an object, streaming, another model's name."
@@ -71,7 +74,7 @@ def _check_body(body, served_model: str):
         raise BadRequest(f"The model `{model!s:.80}` does not exist; this server serves `{served_model}`", status=404, param='model')
 
 # %% ../../nbs/15_llm_server.ipynb #6d33cda8
-def _short(v) -> str: s = repr(v); return s if len(s) <= 40 else s[:37] + '...'
+_short = short_repr                # how an error message quotes what a client sent (llm.guards)
 
 def _integer(body: dict, field: str, default, lo: int | None = 1, hi: int | None = None, why: str = ''):
     "`body[field]` as an integer (not a bool) in [lo, hi]; `default` when it is absent or null."
@@ -105,15 +108,87 @@ def _stops(body: dict) -> list[str] | None:
     if len(s) > MAX_STOPS: raise BadRequest(f"stop: {len(s)} stop strings; send at most {MAX_STOPS}", param='stop')
     return s
 
+# %% ../../nbs/15_llm_server.ipynb #678e5138
+CHAT_FIELDS = ('model', 'messages', 'n', 'max_tokens', 'max_completion_tokens', 'temperature', 'top_p', 'top_k', 'seed', 'stop',
+               'stream', 'logprobs', 'top_logprobs', 'chat_template_kwargs', 'user')
+COMPLETION_FIELDS = ('model', 'prompt', 'n', 'max_tokens', 'max_completion_tokens', 'temperature', 'top_p', 'top_k', 'seed',
+                     'stop', 'stream', 'user')
+
+_NONE = 'is not supported by this server; leave it out'
+NOT_SERVED = {   # field: (the values that ask for nothing, why the others are refused)
+    'logit_bias': (lambda v: v == {}, f'logit_bias {_NONE}'),
+    'presence_penalty': (lambda v: v == 0, f'presence_penalty {_NONE} (or send 0)'),
+    'frequency_penalty': (lambda v: v == 0, f'frequency_penalty {_NONE} (or send 0)'),
+    'repetition_penalty': (lambda v: v == 1, f'repetition_penalty {_NONE} (or send 1)'),
+    'response_format': (lambda v: v == {'type': 'text'}, f'response_format (JSON mode, JSON schemas) {_NONE}'),
+    'tools': (lambda v: v == [], 'tools (function calling) are not supported by this server; leave them out'),
+    'tool_choice': (lambda v: v == 'none', f'tool_choice (function calling) {_NONE}'),
+    'functions': (lambda v: v == [], 'functions (function calling) are not supported by this server; leave them out'),
+    'function_call': (lambda v: v == 'none', f'function_call (function calling) {_NONE}'),
+    'parallel_tool_calls': (lambda v: False, f'parallel_tool_calls (function calling) {_NONE}'),
+    'stream_options': (lambda v: False, 'stream_options belong to streaming, which this server does not do; leave them out'),
+    'min_p': (lambda v: v == 0, f'min_p {_NONE} (or send 0; top_p and top_k are supported)'),
+    'min_tokens': (lambda v: v == 0, f'min_tokens {_NONE} (or send 0)'),
+    'ignore_eos': (lambda v: v is False, f'ignore_eos {_NONE}'),
+    'echo': (lambda v: v is False, 'echo is not supported by this server; send "echo": false'),
+    'suffix': (lambda v: False, f'suffix (insertion) {_NONE}'),
+    'best_of': (lambda v: v == 1, 'best_of is not supported by this server; ask for n samples and choose yourself'),
+    'modalities': (lambda v: v == ['text'], 'modalities other than text are not supported by this server; leave them out'),
+    'audio': (lambda v: False, f'audio {_NONE}'),
+    'prediction': (lambda v: False, f'prediction (predicted outputs) {_NONE}'),
+    'reasoning_effort': (lambda v: False, f'reasoning_effort {_NONE} (chat_template_kwargs.enable_thinking switches thinking models)'),
+    'web_search_options': (lambda v: False, f'web_search_options {_NONE}'),
+    'store': (lambda v: v is False, f'store {_NONE}'),
+    'metadata': (lambda v: v == {}, f'metadata (stored completions) {_NONE}'),
+    'service_tier': (lambda v: v in ('auto', 'default'), f'service_tier {_NONE}'),
+    # vLLM and SGLang extensions, which routers (vllm-router, sglang-router) fill in with their defaults: accepted at
+    # the value that describes what this server does anyway
+    'skip_special_tokens': (lambda v: v is True, 'skip_special_tokens: this server always leaves special tokens out of the text; leave it out'),
+    'no_stop_trim': (lambda v: v is False, 'no_stop_trim: this server always cuts the text before a stop string; leave it out'),
+    'include_stop_str_in_output': (lambda v: v is False, 'include_stop_str_in_output: this server always cuts the text before a stop string; leave it out'),
+    'continue_final_message': (lambda v: v is False, 'continue_final_message is not supported by this server (use /v1/completions with the prompt); leave it out'),
+    'add_generation_prompt': (lambda v: v is True, 'add_generation_prompt: this server always opens the assistant turn (use /v1/completions for other prompts); leave it out'),
+    'separate_reasoning': (lambda v: v is True, 'separate_reasoning: this server always returns the reasoning apart, as reasoning_content; leave it out'),
+    'include_reasoning': (lambda v: v is True, 'include_reasoning: this server always returns the reasoning, as reasoning_content; leave it out'),
+    'stream_reasoning': (lambda v: isinstance(v, bool), 'stream_reasoning belongs to streaming, which this server does not do; leave it out'),
+    'return_hidden_states': (lambda v: v is False, f'return_hidden_states {_NONE}'),
+}
+
+def check_fields(body: dict, read: tuple, refused: dict | None = None) -> None:
+    "Refuse (400, naming it) every field of `body` that is neither `read` nor in `refused` with a value that asks for nothing."
+    refused = NOT_SERVED if refused is None else refused
+    for k, v in body.items():
+        if k in read or v is None: continue
+        if k in refused:
+            ok, why = refused[k]
+            if ok(v): continue
+            raise BadRequest(why, param=k)
+        raise BadRequest(f"{_short(k)}: this server does not know this field, so it cannot honour it; leave it out "
+                         f"(it reads {', '.join(read)})", param=str(k)[:64])
+
 # %% ../../nbs/15_llm_server.ipynb #4d1eb381
+def _logprobs(body: dict) -> int | None:
+    "The `Request.logprobs` of a chat body: None unless `logprobs` is true, else `top_logprobs` (0 to 20)."
+    lp = body.get('logprobs')
+    if lp not in (None, True, False): raise BadRequest(f'logprobs: must be true or false, got {_short(lp)}', param='logprobs')
+    top = _integer(body, 'top_logprobs', None, lo=0, hi=MAX_TOP_LOGPROBS)
+    if top is not None and not lp: raise BadRequest('top_logprobs: send it with "logprobs": true', param='top_logprobs')
+    return (top or 0) if lp else None
+
 def parse_chat_request(body, served_model: str, role: str = 'remote', limits: ServerLimits | None = None) -> Request:
-    "A `Request` from an OpenAI chat-completions body, every field checked against `limits`."
+    "A `Request` from an OpenAI chat-completions body, every field checked against `limits` (its size first)."
+    limits = limits or ServerLimits()
     _check_body(body, served_model)
     if 'messages' not in body: raise BadRequest("missing field 'messages' (a list of {role, content} objects)", param='messages')
+    check_fields(body, CHAT_FIELDS)
+    judge_chat_size(body['messages'], limits, _context_note(limits))
     ctk = body.get('chat_template_kwargs') or {}
     if not isinstance(ctk, dict): raise BadRequest('chat_template_kwargs must be an object', param='chat_template_kwargs')
-    return _sampled_request(body, dict(messages=body['messages'], enable_thinking=ctk.get('enable_thinking')), role,
-                            limits or ServerLimits())
+    req = _sampled_request(body, dict(messages=body['messages'], enable_thinking=ctk.get('enable_thinking'),
+                                      logprobs=_logprobs(body)), role, limits)
+    return chars_fit(req, limits, _explicit(body))
+
+def _explicit(body: dict) -> bool: return body.get('max_tokens') is not None or body.get('max_completion_tokens') is not None
 
 def _sampled_request(body: dict, content: dict, role: str, limits: ServerLimits) -> Request:
     "A `Request` of `content` (messages or a raw prompt) with the body's sampling fields."
@@ -133,13 +208,50 @@ def _sampled_request(body: dict, content: dict, role: str, limits: ServerLimits)
         param = msg.split(':', 1)[0].removeprefix('Request.').replace('max_new_tokens', 'max_tokens')
         raise BadRequest(msg.replace('Request.max_new_tokens', 'max_tokens').replace('Request.', ''), param=param) from e
 
-def completion_response(completions: list[Completion], model: str) -> dict:
+# %% ../../nbs/15_llm_server.ipynb #4e4338a1
+def _context_note(limits: ServerLimits) -> str:
+    if not (limits.context and limits.longest_token_chars): return ''
+    return (f" (this model's context of {limits.context:,} tokens, at most {limits.longest_token_chars} characters each, "
+            "the tokenizer's longest)")
+
+def prompt_chars(request: Request) -> int:
+    "Characters of what `request` asks the model to read: its messages' contents or its raw text (token ids: 0)."
+    if request.prompt is not None: return len(request.prompt) if isinstance(request.prompt, str) else 0
+    return sum(len(m['content']) for m in request.messages)
+
+def chars_fit(request: Request, limits: ServerLimits, explicit: bool = True) -> Request:
+    "`request`, unless its prompt has more characters than the context could hold with its `max_tokens` (one when not `explicit`), at the tokenizer's longest token."
+    ctx, longest = limits.context, limits.longest_token_chars
+    if not (ctx and longest): return request
+    chars = prompt_chars(request)
+    least, want = -(-chars // longest), request.max_new_tokens if explicit else 1
+    if least + want <= ctx: return request
+    room = ctx - least
+    asks = f" and max_tokens asks for {want} more" if explicit else ''
+    fix = f'lower max_tokens to {room} or shorten the prompt' if explicit and room >= 1 else 'shorten the prompt'
+    raise BadRequest(f"this model's context is {ctx} tokens and none of them holds more than {longest} characters, so the "
+                     f"prompt's {chars:,} characters need at least {least:,} tokens{asks}; {fix}",
+                     param='max_tokens' if explicit and room >= 1 else 'messages' if request.prompt is None else 'prompt')
+
+# %% ../../nbs/15_llm_server.ipynb #4f491a88
+def _token_entry(tid: int, lp: float, token_text) -> dict:
+    t = token_text(tid)
+    return {'token': t, 'logprob': lp, 'bytes': list(t.encode('utf-8', 'replace'))}
+
+def choice_logprobs(c: Completion, token_text) -> dict | None:
+    "OpenAI's chat `logprobs` object of a completion that has them, else None."
+    if c.logprobs is None or token_text is None: return None
+    return {'content': [{**_token_entry(e['id'], e['logprob'], token_text),
+                         'top_logprobs': [_token_entry(t, l, token_text) for t, l in e['top']]} for e in c.logprobs],
+            'refusal': None}
+
+def completion_response(completions: list[Completion], model: str, token_text=None) -> dict:
     "The chat-completions response body for the samples of one request."
     choices = []
     for i, c in enumerate(completions):
         msg = {'role': 'assistant', 'content': c.text if c.reasoning else (c.raw or c.text)}
         if c.reasoning: msg['reasoning_content'] = c.reasoning
-        choices.append({'index': i, 'message': msg, 'finish_reason': c.finish_reason,
+        choices.append({'index': i, 'message': msg, 'finish_reason': c.finish_reason, 'logprobs': choice_logprobs(c, token_text),
                         'completion_tokens': c.completion_tokens})
     prompt = max((c.prompt_tokens for c in completions), default=0)
     gen = sum(c.completion_tokens for c in completions)
@@ -159,24 +271,29 @@ def raw_prompt(body: dict) -> str | list[int]:
         p = p[0]
     return p
 
-_REFUSED = {'echo': (lambda v, n: not v, 'echo is not supported; send "echo": false'),
-            'suffix': (lambda v, n: v is None, 'suffix (insertion) is not supported; leave it out'),
-            'logprobs': (lambda v, n: v in (None, False, 0), 'logprobs are not supported by this server; leave them out'),
-            'best_of': (lambda v, n: v in (None, n), 'best_of above n is not supported; ask for n samples and choose yourself')}
+_COMPLETION_REFUSED = {**NOT_SERVED,
+    'logprobs': (lambda v: v in (False, 0), 'logprobs are not supported by the completions endpoint of this server; '
+                 'leave them out (the chat endpoint has them)')}
 
 def parse_completion_request(body, served_model: str, role: str = 'remote', limits: ServerLimits | None = None) -> Request:
     "A raw-prompt `Request` from an OpenAI completions body; token ids must be in the model's vocabulary."
-    _check_body(body, served_model)
-    for f, (ok, why) in _REFUSED.items():
-        if f in body and not ok(body[f], body.get('n', 1)): raise BadRequest(why, param=f)
     limits = limits or ServerLimits()
-    req = _sampled_request(body, dict(messages=[], prompt=raw_prompt(body)), role, limits)
+    _check_body(body, served_model)
+    refused = {**_COMPLETION_REFUSED, 'best_of': (lambda v: v in (1, body.get('n') or 1),
+                                                   'best_of above n is not supported; ask for n samples and choose yourself')}
+    p = raw_prompt(body)
+    check_fields(body, COMPLETION_FIELDS, refused)
+    if isinstance(p, str): judge_prompt_chars(len(p), limits, _context_note(limits))
+    elif isinstance(p, list) and limits.context and len(p) > limits.context:
+        raise BadRequest(f"this model's context is {limits.context} tokens, but the prompt has {len(p)}; shorten the prompt",
+                         param='prompt')
+    req = _sampled_request(body, dict(messages=[], prompt=p), role, limits)
     if isinstance(req.prompt, list) and limits.vocab_size and max(req.prompt) >= limits.vocab_size:
         raise BadRequest(f"prompt: token id {max(req.prompt)} is outside this model's vocabulary (ids 0 to "
                          f"{limits.vocab_size - 1}); send token ids from POST /tokenize", param='prompt')
-    return req
+    return chars_fit(req, limits, _explicit(body))
 
-def text_completion_response(completions: list[Completion], model: str) -> dict:
+def text_completion_response(completions: list[Completion], model: str, token_text=None) -> dict:
     "The completions response body for the samples of one raw-prompt request."
     choices = [{'index': i, 'text': c.raw or c.text, 'finish_reason': c.finish_reason, 'logprobs': None,
                 'completion_tokens': c.completion_tokens} for i, c in enumerate(completions)]
@@ -215,10 +332,12 @@ def _tokenizer_call(what: str, fn, *args, **kw):
     except BadRequest: raise
     except Exception as e: raise BadRequest(f"{what}: {type(e).__name__}: {str(e)[:200]}") from e
 
-def tokenize_body(tok, body, max_model_len: int | None = None) -> dict:
-    "The `/tokenize` answer for `body` (vLLM's `prompt` or `messages`, or llama-server's `content`)."
+def tokenize_body(tok, body, max_model_len: int | None = None, limits: HTTPLimits | None = None) -> dict:
+    "The `/tokenize` answer for `body` (vLLM's `prompt` or `messages`, or llama-server's `content`), judged by `limits` before the tokenizer runs."
     if not isinstance(body, dict): raise BadRequest('the request body must be a JSON object')
+    limits = limits or HTTPLimits()
     if 'messages' in body:
+        judge_chat_size(body['messages'], limits)
         kw = _template_kwargs(tok, body.get('chat_template_kwargs') or {})
         try: Request(messages=body['messages'])
         except ValueError as e: raise BadRequest(str(e).replace('Request.', ''), param='messages') from e
@@ -230,6 +349,7 @@ def tokenize_body(tok, body, max_model_len: int | None = None) -> dict:
         key = 'prompt' if 'prompt' in body else 'content' if 'content' in body else None
         if key is None or not isinstance(body[key], str):
             raise BadRequest("send 'prompt' (or 'content') as a string, or 'messages' as a chat", param='prompt')
+        judge_prompt_chars(len(body[key]), limits)
         add = body.get('add_special_tokens', body.get('add_special', key == 'prompt'))
         ids = list(tok.encode(body[key], add_special_tokens=bool(add)))
     return {'tokens': [int(t) for t in ids], 'count': len(ids), 'max_model_len': max_model_len}
@@ -242,153 +362,6 @@ def detokenize_body(tok, body) -> dict:
     text = tok.decode(ids, skip_special_tokens=False)
     return {'prompt': text, 'content': text}
 
-# %% ../../nbs/15_llm_server.ipynb #e756ee85
-def _size(n: int) -> str: return f'{n / 2**20:g} MB' if n >= 2**20 else f'{n} bytes'
-
-def _no_constant(name: str): raise ValueError(f'{name} is not a JSON number')
-
-async def read_json(request, limit: int):
-    "The JSON body of a starlette `request`: 415 unless sent as application/json, 413 past `limit` bytes, 400 unless valid JSON."
-    ctype = request.headers.get('content-type', '').split(';')[0].strip().lower()
-    if ctype != 'application/json':
-        raise BadRequest(f"send the body as JSON with the header 'Content-Type: application/json' (got {_short(ctype or None)})",
-                         status=415)
-    too_big = BadRequest(f"the request body is over this server's limit of {_size(limit)} (tmas serve --max-body-mb); "
-                         "send a shorter prompt", status=413)
-    size = request.headers.get('content-length', '')
-    if size.isdigit() and int(size) > limit: raise too_big
-    chunks, got = [], 0
-    async for chunk in request.stream():
-        got += len(chunk)
-        if got > limit: raise too_big
-        chunks.append(chunk)
-    try: return json.loads(b''.join(chunks), parse_constant=_no_constant)
-    except (ValueError, UnicodeDecodeError) as e: raise BadRequest(f'the request body is not valid JSON ({str(e)[:120]})') from e
-
-# %% ../../nbs/15_llm_server.ipynb #08c9a756
-def _unauthorized() -> dict:
-    return {'error': {'message': 'Incorrect or missing API key: send it as "Authorization: Bearer <key>" '
-                                 '(the key given to tmas serve with --api-key or TMAS_API_KEY)',
-                      'type': 'invalid_request_error', 'param': None, 'code': 'invalid_api_key'}}
-
-def bearer_ok(header: str | None, api_key: str) -> bool:
-    "Whether an `Authorization` header carries `api_key` as a Bearer token (constant-time comparison)."
-    scheme, _, token = (header or '').partition(' ')
-    return scheme.lower() == 'bearer' and secrets.compare_digest(token.strip().encode(), api_key.encode())
-
-def _key_check(api_key: str):
-    "An HTTP middleware refusing `/v1/...` requests without the key."
-    from fastapi.responses import JSONResponse
-    async def check(request, call_next):
-        guarded = request.url.path.startswith('/v1') or request.url.path in ('/tokenize', '/detokenize')
-        if request.method != 'OPTIONS' and guarded and \
-                not bearer_ok(request.headers.get('authorization'), api_key):
-            return JSONResponse(_unauthorized(), status_code=401, headers={'WWW-Authenticate': 'Bearer'})
-        return await call_next(request)
-    return check
-
-
-# %% ../../nbs/15_llm_server.ipynb #1e7f54bb
-def is_loopback(host: str) -> bool:
-    "Whether `host` is a loopback address (`127.0.0.0/8`, `::1`) or `localhost`."
-    h = host.strip().strip('[]').lower()
-    if h == 'localhost': return True
-    try: return ipaddress.ip_address(h).is_loopback
-    except ValueError: return False
-
-def check_exposure(host: str, api_key: str | None, allow_unauthenticated: bool = False):
-    "Raise `ValueError` when the server would listen beyond loopback with no API key and no explicit consent."
-    if api_key or allow_unauthenticated or is_loopback(host): return
-    raise ValueError(f"--host {host} makes the server reachable from other machines, and it has no API key; "
-                     "pass --api-key KEY (or set TMAS_API_KEY) so clients must send 'Authorization: Bearer KEY', "
-                     "or --allow-unauthenticated to serve anyone who can reach it")
-
-
-# %% ../../nbs/15_llm_server.ipynb #26915950
-def _host_name(host: str) -> str:
-    "The name in a `Host` header without its port: '[::1]:8000' -> '[::1]', 'localhost:80' -> 'localhost'."
-    if host.startswith('['): return host.split(']')[0] + ']'
-    return host.split(':')[0] if host.count(':') == 1 else host
-
-class LoopbackHostsOnly:
-    "ASGI middleware refusing (403) requests whose `Host` header is not a loopback name or address."
-    def __init__(self, app): self.app = app
-
-    async def __call__(self, scope, receive, send):
-        host = dict(scope.get('headers') or []).get(b'host', b'').decode('latin-1')
-        if scope['type'] == 'http' and not is_loopback(_host_name(host)):
-            from starlette.responses import JSONResponse
-            msg = (f"Host {_short(host)} is not a name of this loopback server; send requests to 127.0.0.1 or localhost "
-                   "(to serve other names, listen on them with --host and give an --api-key)")
-            return await JSONResponse(_error_body(msg, 403), status_code=403)(scope, receive, send)
-        await self.app(scope, receive, send)
-
-# %% ../../nbs/15_llm_server.ipynb #1e21a8dd
-class Admission:
-    "Requests waiting for the model or generating: at most `max_queue`, with at most `gate` samples handed over at once."
-    def __init__(self, max_queue: int, gate: int | None = None):
-        self.max_queue, self.gate = max_queue, gate
-        self.admitted, self.running, self.exclusive, self.closed = 0, 0, False, False
-        self.waiting = deque()                     # (future, n, alone) in arrival order
-
-    def reserve(self):
-        "Count one more request, or refuse it (503) when `max_queue` are in or the server is stopping; `release` undoes it."
-        if self.closed: raise BadRequest('the server is shutting down; retry later or elsewhere', status=503)
-        if self.admitted >= self.max_queue:
-            raise BadRequest(f'the server is busy: {self.max_queue} requests are waiting or generating '
-                             '(tmas serve --max-queue); retry in a moment', status=503)
-        self.admitted += 1
-
-    def release(self): self.admitted -= 1
-
-    def _fits(self, n: int, alone: bool) -> bool:
-        if self.exclusive: return False
-        return self.running == 0 or (not alone and (self.gate is None or self.running + n <= self.gate))
-
-    def _take(self, n, alone): self.running += n; self.exclusive = alone
-
-    def _give(self, n, alone):
-        self.running -= n
-        if alone: self.exclusive = False
-        self._wake()
-
-    def _wake(self):
-        while self.waiting:
-            fut, n, alone = self.waiting[0]
-            if fut.done(): self.waiting.popleft(); continue       # its caller left
-            if not self._fits(n, alone): return
-            self.waiting.popleft(); self._take(n, alone); fut.set_result(None)
-
-# %% ../../nbs/15_llm_server.ipynb #28f9819b
-@patch
-def close(self:Admission):
-    "Refuse new requests and send the waiting ones away with a 503; running ones go on."
-    self.closed = True
-    for fut, _, _ in self.waiting:
-        if not fut.done(): fut.set_exception(BadRequest('the server is shutting down; retry later or elsewhere', status=503))
-    self.waiting.clear()
-
-# %% ../../nbs/15_llm_server.ipynb #7d009f72
-@patch
-async def run(self:Admission, n: int, make, alone: bool = False):
-    "Wait for a turn for `n` samples, then await `make()`; it runs to its end (holding the turn) even if the caller leaves."
-    if self.closed: raise BadRequest('the server is shutting down; retry later or elsewhere', status=503)
-    if not self.waiting and self._fits(n, alone): self._take(n, alone)
-    else:
-        fut = asyncio.get_running_loop().create_future()
-        self.waiting.append((fut, n, alone))
-        try: await fut
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled() and fut.exception() is None: self._give(n, alone)   # turn came as it left
-            else: self._wake()
-            raise
-    work = asyncio.ensure_future(make())
-    def done(t):
-        self._give(n, alone)
-        if not t.cancelled(): t.exception()        # retrieved, so an abandoned failure is not logged as lost
-    work.add_done_callback(done)
-    return await asyncio.shield(work)
-
 # %% ../../nbs/15_llm_server.ipynb #562e32b0
 async def generate_isolated(llm: LLM, request: Request, admission: Admission) -> list[Completion]:
     "The completions of `request`; when its batch fails it is run once more alone, so only a request that breaks a batch fails."
@@ -397,29 +370,14 @@ async def generate_isolated(llm: LLM, request: Request, admission: Admission) ->
     except Exception: [cs] = await admission.run(request.n, lambda: llm.generate([request]), alone=True)
     return cs
 
-# %% ../../nbs/15_llm_server.ipynb #5fbfdd3d
-class ClientGone(Exception):
-    "The client disconnected before its answer was ready."
-
-async def _disconnected(receive):
-    "Return once the ASGI `receive` reports that the client has gone."
-    while (await receive())['type'] != 'http.disconnect': await asyncio.sleep(0.05)
-
-async def unless_disconnected(receive, work):
-    "The result of the coroutine `work`; `ClientGone`, with `work` cancelled, when the client disconnects first."
-    job, gone = asyncio.ensure_future(work), asyncio.ensure_future(_disconnected(receive))
-    try:
-        await asyncio.wait({job, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if job.done(): return job.result()
-        raise ClientGone()
-    finally:
-        job.cancel(); gone.cancel()
-
 # %% ../../nbs/15_llm_server.ipynb #19bd3f78
-def _refusal(e: BadRequest):
-    from fastapi.responses import JSONResponse
-    return JSONResponse(_error_body(str(e), e.status, e.param), status_code=e.status,
-                        headers={'Retry-After': '1'} if e.status == 503 else None)
+def refusal(e: BadRequest):
+    "The JSON answer of a refused request, as ASCII (503s say when to retry)."
+    from fastapi.responses import Response
+    return Response(json_bytes(error_body(str(e), e.status, e.param)), status_code=e.status, media_type='application/json',
+                    headers={'Retry-After': '1'} if e.status == 503 else None)
+
+_refusal = refusal
 
 def _role(request) -> str:
     role = request.headers.get('x-tmas-role') or 'remote'
@@ -430,31 +388,39 @@ def _role(request) -> str:
 def _prompt_length(tok, request: Request) -> int:
     return len(request_prompt_ids(tok, request))
 
+async def _answer(s, req: Request, explicit: bool) -> list[Completion]:
+    "Count the prompt's tokens in the work pool (shortest first), check them against the context, then generate."
+    if s.tokenizer is not None:
+        size = prompt_chars(req) or len(req.prompt or ())
+        n = await s.pool.run(size, _tokenizer_call, 'the prompt could not be tokenized', _prompt_length, s.tokenizer, req)
+        req = prompt_fits(n, req, s.limits, explicit)
+    return await generate_isolated(s.llm, req, s.admission)
+
+# %% ../../nbs/15_llm_server.ipynb #e10ac571
 def _endpoint(app, parse, respond):
-    "A route that reads and checks a body with `parse`, waits for its turn, generates, and answers with `respond`."
+    "A route that reads and checks a body with `parse`, takes a place in the queue, counts and generates, and answers with `respond`."
     from fastapi import Request as HTTPRequest
-    from fastapi.responses import JSONResponse, Response
+    from fastapi.responses import Response
     s = app.state
     async def handle(request):
         s.counts['requests'] += 1
         try:
-            body = await read_json(request, s.limits.max_body_bytes)
+            body = await read_json(request, s.limits.max_body_bytes, s.limits.max_json_depth, s.limits.max_messages)
             req = parse(body, s.model_name, role=_role(request), limits=s.limits)
+            if req.logprobs is not None and not s.logprobs:
+                raise BadRequest("logprobs: this server's backend does not compute them; leave them out", param='logprobs')
             s.admission.reserve()
-        except BadRequest as e: s.counts['refused'] += 1; return _refusal(e)
+        except BadRequest as e: s.counts['refused'] += 1; return refusal(e)
+        except ClientGone: s.counts['disconnected'] += 1; return Response(status_code=499)
         s.counts['in_flight'] = s.admission.admitted
         s.counts['peak_in_flight'] = max(s.counts['peak_in_flight'], s.counts['in_flight'])
         try:
-            if s.tokenizer is not None:
-                n = await asyncio.to_thread(_tokenizer_call, 'the prompt could not be tokenized', _prompt_length, s.tokenizer, req)
-                explicit = body.get('max_tokens') is not None or body.get('max_completion_tokens') is not None
-                req = prompt_fits(n, req, s.limits, explicit)
-            completions = await unless_disconnected(request.receive, generate_isolated(s.llm, req, s.admission))
-            return respond(completions, s.model_name)
-        except BadRequest as e: s.counts['refused'] += 1; return _refusal(e)
+            completions = await unless_disconnected(request.receive, _answer(s, req, _explicit(body)))
+            return respond(completions, s.model_name, s.token_text)
+        except BadRequest as e: s.counts['refused'] += 1; return refusal(e)
         except ClientGone: s.counts['disconnected'] += 1; return Response(status_code=499)
         except Exception as e:
-            return JSONResponse(_error_body(f'generation failed: {type(e).__name__}: {e}', 500), status_code=500)
+            return refusal(BadRequest(f'generation failed: {type(e).__name__}: {e}', status=500))
         finally:
             s.admission.release(); s.counts['in_flight'] = s.admission.admitted
     handle.__annotations__['request'] = HTTPRequest   # a real class, not the postponed string, for FastAPI
@@ -468,18 +434,21 @@ def create_app(llm: LLM, served_model_name: str | None = None, limits: ServerLim
     name = served_model_name or llm.model_id
     limits = limits or ServerLimits.for_model(llm)
     app = FastAPI(title='tmas_nb model server', version='1')
-    if api_key: app.middleware('http')(_key_check(api_key))
     if loopback_only: app.add_middleware(LoopbackHostsOnly)
+    if api_key: app.add_middleware(KeyRequired, api_key=api_key)         # outermost: no work of any route without the key
     batch = getattr(llm, 'max_batch_size', None)       # two batches handed over: one decoding, one ready
     s = app.state
     s.llm, s.model_name, s.limits, s.tokenizer = llm, name, limits, getattr(llm, 'tokenizer', None)
     s.admission = Admission(limits.max_queue, gate=2 * batch if isinstance(batch, int) else None)
+    s.guard, s.pool, s.logprobs = ConnectionGuard(limits), WorkPool(limits.tokenize_workers, limits.max_queue), supports_logprobs(llm)
+    s.token_text = functools.lru_cache(maxsize=1 << 16)(lambda t: s.tokenizer.decode([t])) if s.tokenizer is not None else None
     s.counts = dict(requests=0, in_flight=0, peak_in_flight=0, refused=0, disconnected=0)
     created = int(time.time())
 
     @app.get('/health')
     async def health():
-        return {'status': 'ok', 'model': name, **s.counts, 'waiting': len(s.admission.waiting), 'running_samples': s.admission.running}
+        return {'status': 'ok', 'model': name, **s.counts, 'waiting': len(s.admission.waiting), 'running_samples': s.admission.running,
+                'engine': engine_load(llm), 'connections': s.guard.stats(), 'limits': asdict(s.limits)}
 
     @app.get('/v1/models')
     async def models():
@@ -494,16 +463,21 @@ def create_app(llm: LLM, served_model_name: str | None = None, limits: ServerLim
     return app
 
 def _add_tokenizer_routes(app, tok, limits: ServerLimits):
-    "`POST /tokenize` and `POST /detokenize` with the backend's tokenizer (in a thread: a long text does not stall the loop)."
+    "`POST /tokenize` and `POST /detokenize` with the backend's tokenizer, in the work pool (a long text does not stall the loop)."
     from fastapi import Request as HTTPRequest
-    def route(fn):
+    from fastapi.responses import Response
+    def route(fn, size):
         async def handle(request):
-            try: return await asyncio.to_thread(fn, await read_json(request, limits.max_body_bytes))
-            except BadRequest as e: return _refusal(e)
+            try:
+                body = await read_json(request, limits.max_body_bytes, limits.max_json_depth, limits.max_messages)
+                return await app.state.pool.run(size(body), fn, body)
+            except BadRequest as e: return refusal(e)
+            except ClientGone: return Response(status_code=499)
         handle.__annotations__['request'] = HTTPRequest
         return handle
-    app.post('/tokenize')(route(lambda b: tokenize_body(tok, b, limits.context)))
-    app.post('/detokenize')(route(lambda b: detokenize_body(tok, b)))
+    text_size = lambda b: sum(len(v) for v in (b.get('prompt'), b.get('content')) if isinstance(v, str)) if isinstance(b, dict) else 0
+    app.post('/tokenize')(route(lambda b: tokenize_body(tok, b, limits.context, limits), text_size))
+    app.post('/detokenize')(route(lambda b: detokenize_body(tok, b), lambda b: len(b.get('tokens') or ()) if isinstance(b, dict) else 0))
 
 # %% ../../nbs/15_llm_server.ipynb #1e462849
 def _bind(host: str, port: int) -> socket.socket:
@@ -518,15 +492,9 @@ def _bind(host: str, port: int) -> socket.socket:
 
 # %% ../../nbs/15_llm_server.ipynb #2f9bafa8
 def _uvicorn_server(app, log_level: str):
-    "A uvicorn server whose shutdown sends waiting requests away at once and gives running ones `shutdown_timeout_s`."
-    import uvicorn
-    class Server(uvicorn.Server):
-        async def shutdown(self, sockets=None):
-            app.state.admission.close()
-            await super().shutdown(sockets=sockets)
-    config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_keep_alive=30, lifespan='off',
-                            timeout_graceful_shutdown=app.state.limits.shutdown_timeout_s)
-    return Server(config)
+    "The `llm.guards.http_server` of `app`: guarded connections, and a shutdown that answers every request it admitted."
+    s = app.state
+    return http_server(app, s.limits, s.admission, log_level, guard=s.guard)
 
 # %% ../../nbs/15_llm_server.ipynb #17be96d4
 def _app_for(llm: LLM, host: str, **app_kw):
@@ -537,9 +505,10 @@ def _app_for(llm: LLM, host: str, **app_kw):
 def serve(llm: LLM, host: str = '127.0.0.1', port: int = 8000, log_level: str = 'warning', sock=None, **app_kw):
     "Serve `llm` until interrupted (Ctrl-C or SIGTERM), on `sock` when the caller already holds the port."
     sock = sock or _bind(host, port)
-    server = _uvicorn_server(_app_for(llm, host, **app_kw), log_level)
+    app = _app_for(llm, host, **app_kw)
+    server = _uvicorn_server(app, log_level)
     try: server.run(sockets=[sock])
-    finally: sock.close()
+    finally: sock.close(); app.state.pool.close()
 
 # %% ../../nbs/15_llm_server.ipynb #59903bb4
 class ServerThread:
@@ -564,25 +533,64 @@ class ServerThread:
         "Stop serving (requests in flight get the shutdown timeout) and wait for the thread."
         self.server.should_exit = True
         self.thread.join(timeout=self.app.state.limits.shutdown_timeout_s + 10)
-        self.sock.close()
+        self.sock.close(); self.app.state.pool.close()
 
     def __enter__(self): return self
     def __exit__(self, *exc): self.stop()
 
 # %% ../../nbs/15_llm_server.ipynb #946490aa
-_FLAGS = {'max_n': '--max-n', 'max_tokens': '--max-tokens', 'default_max_tokens': '--default-max-tokens',
-          'max_body_bytes': '--max-body-mb', 'max_queue': '--max-queue', 'shutdown_timeout_s': '--shutdown-timeout'}
+REQUEST_BUDGET_S = 60.0   # on a CPU, a request at the default sizes takes about this long alone
 
-def _limits_from_args(args, llm: LLM | None = None) -> ServerLimits:
-    "The `ServerLimits` of the command line (with the model's context and vocabulary once `llm` is loaded)."
+def cpu_sizes(tokens_per_s: dict, budget_s: float = REQUEST_BUDGET_S, default_max_tokens: int | None = None) -> dict:
+    "The default `max_tokens` and `max_n` of an engine measured at `tokens_per_s` ({requests in flight: tokens/s}): one sample takes half of `budget_s`, `max_n` together all of it."
+    out = {}
+    if tokens_per_s.get(1):
+        out['default_max_tokens'] = int(min(512, max(64, tokens_per_s[1] * budget_s / 2 // 64 * 64)))
+    if tokens_per_s.get(8):
+        length = default_max_tokens or out.get('default_max_tokens') or ServerLimits.default_max_tokens
+        n = tokens_per_s[8] * budget_s / length
+        out['max_n'] = int(min(64, 2 ** math.floor(math.log2(max(n, 1)))))
+    return out
+
+# %% ../../nbs/15_llm_server.ipynb #c8378966
+_FLAGS = {'max_n': '--max-n', 'max_tokens': '--max-tokens', 'default_max_tokens': '--default-max-tokens'}
+
+def _limits_from_args(args, llm: LLM | None = None, measured: dict | None = None) -> ServerLimits:
+    "The `ServerLimits` of the command line (with the model's context and vocabulary once `llm` is loaded, and `measured` sizes for what the flags left out)."
     given = dict(max_n=args.max_n, max_tokens=args.max_tokens, default_max_tokens=args.default_max_tokens,
-                 max_body_bytes=None if args.max_body_mb is None else max(1, int(args.max_body_mb * 2**20)),
-                 max_queue=args.max_queue, shutdown_timeout_s=args.shutdown_timeout)
+                 **http_limits_from_args(args))
+    given = {**(measured or {}), **{k: v for k, v in given.items() if v is not None}}
     try: return ServerLimits.for_model(llm, **given)
     except ValueError as e:
-        msg = str(e)
+        msg = flag_message(e)
         for field, flag in _FLAGS.items(): msg = msg.replace(f'ServerLimits.{field}:', f'{flag}:')
         raise ValueError(msg) from None
+
+def _calibrated_speed(args) -> dict | None:
+    "Tokens/s by requests in flight of this engine from `tmas engines calibrate` on this machine, or None."
+    try: cal = read_calibration(args.model, args.threads)
+    except ValueError: return None
+    row = (cal or {}).get('tokens_per_s', {}).get('transformers-int8' if args.quantize else 'transformers')
+    if not row or cal.get('machine') != machine_fingerprint(): return None
+    return {int(w): float(v) for w, v in row.items()}
+
+def _measured_sizes(llm: LLM, args) -> tuple[dict, str]:
+    "On a CPU, the sizes the command line left out, from the engine's speed (its calibration, else a few seconds measured now); and a note saying so."
+    model = getattr(llm, 'model', None)                          # a model in this process (not a remote one)
+    widths = ([1] if args.default_max_tokens is None else []) + ([8] if args.max_n is None else [])
+    if model is None or not str(getattr(model, 'device', 'cpu')).startswith('cpu') or not widths: return {}, ''
+    speed, how = _calibrated_speed(args), 'calibrated'
+    if speed is None:
+        how = 'measured'
+        try:
+            llm.generate_sync([Request.from_prompt('Hi', max_new_tokens=2, temperature=0)])   # warm up: the first call is slower
+            speed = measure_throughput(llm, widths, max_new_tokens=16, singles=1)
+        except Exception as e: return {}, f'the engine could not be measured ({type(e).__name__}); the defaults stay'
+        finally: llm.usage.reset()                               # /v1/usage counts clients' requests only
+    speed = {w: speed[w] for w in widths if w in speed}
+    sizes = cpu_sizes(speed, default_max_tokens=args.default_max_tokens)
+    return sizes, (f'{how} ' + ', '.join(f'{v:.0f} tokens/s with {w} in flight' for w, v in speed.items()) + ': '
+                   + ', '.join(f'{_FLAGS[k]} {v}' for k, v in sizes.items()))
 
 def _close_within(llm: LLM, timeout: float) -> bool:
     "Close `llm` from a helper thread, waiting at most `timeout` seconds (a batch being decoded is not waited for)."
@@ -609,9 +617,11 @@ def _serve_command(args) -> int:
     print(f'tmas serve: loading {args.model} ...', file=sys.stderr, flush=True)
     try: llm = load_llm(args.model, backend='transformers', **kw)
     except BaseException: sock.close(); raise
-    name, limits = args.served_model or args.model, _limits_from_args(args, llm)
+    measured, note = _measured_sizes(llm, args)
+    name, limits = args.served_model or args.model, _limits_from_args(args, llm, measured)
     print(f'tmas serve: {name} ready in {time.perf_counter() - t0:.1f}s at http://{args.host}:{args.port}/v1 '
-          f'(n <= {limits.max_n}, max_tokens <= {limits.max_tokens}, context {limits.context}, queue {limits.max_queue})',
+          f'(n <= {limits.max_n}, max_tokens <= {limits.max_tokens} (default {limits.default_max_tokens}), context '
+          f'{limits.context}, queue {limits.max_queue}, connections {limits.max_connections}' + (f'; {note}' if note else '') + ')',
           file=sys.stderr, flush=True)
     try: serve(llm, host=args.host, port=args.port, log_level=args.log_level, sock=sock, served_model_name=name,
                limits=limits, api_key=api_key)
@@ -637,18 +647,16 @@ def serve_cli(p) -> None:
                    help='CPU: int8 linear layers with a scale per activation row (about 4x float32\'s speed, seeds stay exact)')
     p.add_argument('--max-batch-size', type=int, default=None, help='most sequences decoded together')
     d = ServerLimits
-    p.add_argument('--max-n', type=int, default=d.max_n,
-                   help=f'refuse (400) requests for more samples than this (default: {d.max_n}; OpenAIBackend then splits its calls)')
+    p.add_argument('--max-n', type=int, default=None,
+                   help=f'refuse (400) requests for more samples than this (default: on a CPU, what the engine decodes in '
+                        f'about {REQUEST_BUDGET_S:g} s, measured at start, 1 to 64; else {d.max_n}; OpenAIBackend then splits its calls)')
     p.add_argument('--max-tokens', dest='max_tokens', type=int, default=None,
                    help="refuse (400) requests for more new tokens than this (default: the model's context)")
     deprecated_alias(p, '--max-tokens-limit', '--max-tokens', 'max_tokens', type=int)
-    p.add_argument('--default-max-tokens', type=int, default=d.default_max_tokens, help='max_tokens when a request does not say')
-    p.add_argument('--max-body-mb', type=float, default=d.max_body_bytes / 2**20,
-                   help=f'refuse (413) request bodies larger than this (default: {d.max_body_bytes / 2**20:g})')
-    p.add_argument('--max-queue', type=int, default=d.max_queue,
-                   help=f'requests waiting or generating at once; more are answered 503 with Retry-After (default: {d.max_queue})')
-    p.add_argument('--shutdown-timeout', type=float, default=d.shutdown_timeout_s,
-                   help=f'seconds requests in flight get to finish on SIGTERM or Ctrl-C before they are cancelled (default: {d.shutdown_timeout_s:g})')
+    p.add_argument('--default-max-tokens', type=int, default=None,
+                   help=f'max_tokens when a request does not say (default: on a CPU, what one sample decodes in about '
+                        f'{REQUEST_BUDGET_S / 2:g} s, measured at start, 64 to 512; else {d.default_max_tokens})')
+    add_http_flags(p, ServerLimits())
     p.add_argument('--api-key', default=None,
                    help='require "Authorization: Bearer KEY" on /v1 routes (default: $TMAS_API_KEY; none: no check)')
     p.add_argument('--allow-unauthenticated', action='store_true',

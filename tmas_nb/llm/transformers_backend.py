@@ -18,9 +18,9 @@ transformers = lazy_import('transformers')
 
 # %% auto #0
 __all__ = ['torch', 'transformers', 'chat_prompt_ids', 'request_prompt_ids', 'template_opens_thinking', 'end_token_ids',
-           'finish_sequence', 'generation_config', 'row_seed', 'row_sampler', 'decode_rows', 'stop_string_check',
-           'generate_batch', 'hf_generate_batch', 'naive_generate', 'continuous_generate', 'TransformersBackend',
-           'tiny_random_model']
+           'finish_sequence', 'generation_config', 'row_seed', 'row_sampler', 'TokenLogprobs', 'decode_rows',
+           'stop_string_check', 'generate_batch', 'hf_generate_batch', 'naive_generate', 'continuous_generate',
+           'TransformersBackend', 'tiny_random_model']
 
 # %% ../../nbs/12_llm_transformers.ipynb #245c397d
 def _template_kwargs(tok, enable_thinking: bool | None) -> dict:
@@ -72,8 +72,8 @@ def end_token_ids(model, tok) -> set[int]:
 
 # %% ../../nbs/12_llm_transformers.ipynb #7f8c26c7
 def finish_sequence(tok, gen_ids: list[int], request: Request, prompt_tokens: int, end_ids: set[int],
-                    latency_s: float = 0.0) -> Completion:
-    "A `Completion` from the generated ids of one sample: cut at EOS or stop string, with exact token counts."
+                    latency_s: float = 0.0, logprobs: list[dict] | None = None) -> Completion:
+    "A `Completion` from the generated ids of one sample: cut at EOS or stop string, with exact token counts (and the `logprobs` of those tokens)."
     gen_ids = [int(t) for t in gen_ids]
     end = next((i for i, t in enumerate(gen_ids) if t in end_ids), None)
     body = gen_ids if end is None else gen_ids[:end]
@@ -86,8 +86,9 @@ def finish_sequence(tok, gen_ids: list[int], request: Request, prompt_tokens: in
     elif end is not None: n_tok, reason = end + 1, 'stop'
     else: n_tok, reason = len(gen_ids), 'length'
     opens = request.prompt is None and template_opens_thinking(tok, request.enable_thinking)   # a raw prompt has no template
-    return Completion.from_raw(raw, opens_in_prompt=opens, finish_reason=reason,
-                               prompt_tokens=prompt_tokens, completion_tokens=n_tok, latency_s=latency_s)
+    return Completion.from_raw(raw, opens_in_prompt=opens, finish_reason=reason, prompt_tokens=prompt_tokens,
+                               completion_tokens=n_tok, latency_s=latency_s,
+                               logprobs=None if logprobs is None else list(logprobs[:n_tok]))
 
 # %% ../../nbs/12_llm_transformers.ipynb #3c79d8ea
 def generation_config(request: Request, n: int, tok, model):
@@ -203,10 +204,25 @@ def _prefill(model, ids, mask, token_budget: int = 16384):
             layer.values = torch.cat([c.layers[li].values for c in caches])
     return cache, torch.cat(logits)
 
+# %% ../../nbs/12_llm_transformers.ipynb #639a2bf7
+class TokenLogprobs:
+    "Per-row lists filled by `decode_rows`: each drawn token's `{'id', 'logprob', 'top'}`, with the `top` likeliest `[id, logprob]`."
+    def __init__(self, rows: int, top: int = 0): self.top, self.rows = int(top), [[] for _ in range(rows)]
+
+    def record(self, logits, active: list[int], picks):
+        "Note the tokens `picks` drawn for the rows `active` from `logits` (log-probabilities before temperature and top-p)."
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        chosen = lp.gather(1, picks[:, None].to(lp.device))[:, 0].tolist()
+        vals, idx = torch.topk(lp, self.top, dim=-1) if self.top else (None, None)
+        vals, idx = (vals.tolist(), idx.tolist()) if self.top else (None, None)
+        for i, (row, t) in enumerate(zip(active, picks.tolist())):
+            top = [[int(a), float(b)] for a, b in zip(idx[i], vals[i])] if self.top else []
+            self.rows[row].append({'id': int(t), 'logprob': float(chosen[i]), 'top': top})
+
 # %% ../../nbs/12_llm_transformers.ipynb #605b1a18
 def decode_rows(model, ids, mask, per: int, max_new_tokens: int, end_ids: set[int], sampler=None,
-                finished=None, prefill_tokens: int = 16384, prompt_of=None) -> list[list[int]]:
-    "Generated ids of `per` rows per request; a row leaves the batch (and the KV cache) as soon as it ends."
+                finished=None, prefill_tokens: int = 16384, prompt_of=None, logprobs=None, between_steps=None) -> list[list[int]]:
+    "Generated ids of `per` rows per request; a row leaves the batch (and the KV cache) as soon as it ends or its request is dropped."
     cache, logits = _prefill(model, ids, mask, prefill_tokens)
     cache_arg = _cache_arg(model)
     prompt_of = list(range(ids.shape[0])) if prompt_of is None else list(prompt_of)   # request -> prefilled prompt
@@ -218,7 +234,17 @@ def decode_rows(model, ids, mask, per: int, max_new_tokens: int, end_ids: set[in
     active = list(range(mask.shape[0]))
     gen = [[] for _ in active]
     for _ in range(max_new_tokens):
+        if between_steps is not None:          # requests nobody waits for any more leave before the next step
+            gone = between_steps(active)
+            if gone:
+                keep = [i for i, row in enumerate(active) if row // per not in gone]
+                if not keep: break
+                if len(keep) < len(active):
+                    sel = torch.tensor(keep, device=mask.device)
+                    cache.batch_select_indices(sel)
+                    mask, logits, active = mask[sel], logits[sel], [active[i] for i in keep]
         nxt = sampler.pick(logits, active) if sampler is not None else logits.argmax(-1)
+        if logprobs is not None: logprobs.record(logits, active, nxt)
         keep = []
         for i, (row, t) in enumerate(zip(active, nxt.tolist())):
             g = gen[row]; g.append(t)
@@ -242,8 +268,9 @@ def stop_string_check(tok, stops):
     return lambda g: any(s in tok.decode(g[-window:], skip_special_tokens=True) for s in stops)
 
 # %% ../../nbs/12_llm_transformers.ipynb #6d872a36
-def generate_batch(model, tok, requests: list[Request], prompts: list[list[int]], n: int | None = None) -> list[list[Completion]]:
-    "Completions for requests sharing sampling settings and `n`: one prefill per prompt, finished rows leave early."
+def generate_batch(model, tok, requests: list[Request], prompts: list[list[int]], n: int | None = None,
+                   between_steps=None) -> list[list[Completion]]:
+    "Completions for requests sharing sampling settings and `n`: one prefill per prompt, finished (or dropped) rows leave early."
     r0 = requests[0]; n = n or r0.n
     per = n if r0.temperature > 0 else 1
     sampler = row_sampler(requests, per) if r0.temperature > 0 else None
@@ -252,14 +279,15 @@ def generate_batch(model, tok, requests: list[Request], prompts: list[list[int]]
     prompt_of = [unique.setdefault(tuple(p), len(unique)) for p in prompts]
     ids, mask = _left_pad([list(p) for p in unique], tok.pad_token_id)
     dev = model.device if hasattr(model, 'device') else 'cpu'
+    lps = None if r0.logprobs is None else TokenLogprobs(len(requests) * per, r0.logprobs)
     t0 = time.perf_counter()
     with torch.inference_mode():
         gen = decode_rows(model, ids.to(dev), mask.to(dev), per, r0.max_new_tokens, ends, sampler,
-                          stop_string_check(tok, r0.stop), prompt_of=prompt_of)
+                          stop_string_check(tok, r0.stop), prompt_of=prompt_of, logprobs=lps, between_steps=between_steps)
     dt = time.perf_counter() - t0
     res = []
     for i, (r, p) in enumerate(zip(requests, prompts)):
-        cs = [finish_sequence(tok, gen[i * per + j], r, len(p), ends, dt) for j in range(per)]
+        cs = [finish_sequence(tok, gen[i * per + j], r, len(p), ends, dt, lps and lps.rows[i * per + j]) for j in range(per)]
         res.append(cs if per == n else [Completion.from_dict(cs[0].to_dict()) for _ in range(n)])
     return res
 
@@ -325,17 +353,25 @@ def continuous_generate(model, tok, requests: list[Request], prompts: list[list[
     return res
 
 # %% ../../nbs/12_llm_transformers.ipynb #96096b6d
+class _JobFuture(concurrent.futures.Future):
+    "A job's future; `cancel()` on a job already being decoded marks it `abandoned`, and its rows leave the batch."
+    abandoned = False
+    def cancel(self) -> bool:
+        self.abandoned = True
+        return super().cancel()
+
 @dataclass
 class _Job:
     "One part of a request (`n` of its samples) waiting in the queue, with the future its caller waits on."
     request: Request
     n: int
     prompt: list[int] = None
-    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    future: _JobFuture = field(default_factory=_JobFuture)
 
 # %% ../../nbs/12_llm_transformers.ipynb #ac0e9167
 class TransformersBackend(LLM):
     "An `LLM` running a transformers model in this process, batching concurrent requests."
+    logprobs_supported = True
     def __init__(self, model: str = 'default', device: str | None = None, dtype=None, max_batch_size: int = 64,
                  batch_window_s: float = 0.02, engine: str = 'auto', num_threads: int | None = None,
                  seed: int | None = None, model_and_tokenizer: tuple | None = None, quantize: str | None = None):
@@ -354,7 +390,8 @@ class TransformersBackend(LLM):
         self.engine = 'continuous' if self._use_continuous else 'generate' if engine == 'generate' else 'batched'
         self.opens_thinking = template_opens_thinking(self.tokenizer)
         self.batches_run, self.sequences_run = 0, 0
-        self.stats = {'batches_by_engine': {}, 'engine_fallbacks': []}
+        self.stats = {'batches_by_engine': {}, 'engine_fallbacks': [], 'rows_dropped': 0}
+        self.decoding_rows = 0   # rows in the batch being decoded now
         self._queue, self._thread, self._lock = queue.Queue(), None, threading.Lock()
 
     async def _generate(self, requests: list[Request]) -> list[list[Completion]]:
@@ -397,7 +434,8 @@ def plan_batches(self:TransformersBackend, jobs: list[_Job]) -> list[list[_Job]]
 # %% ../../nbs/12_llm_transformers.ipynb #b663b5ae
 @patch
 def engine_for(self:TransformersBackend, requests: list[Request]) -> str:
-    "The engine that runs a batch: continuous batching only for what it can do exactly (greedy or unseeded sampling)."
+    "The engine that runs a batch: continuous batching only for what it can do exactly (greedy or unseeded sampling, no logprobs)."
+    if requests[0].logprobs is not None: return 'batched'     # only our loop records logprobs
     seeded = requests[0].temperature > 0 and any(r.seed is not None for r in requests)
     if self._use_continuous and not seeded: return 'continuous'
     return 'generate' if self.requested_engine == 'generate' else 'batched'
@@ -420,11 +458,31 @@ def _run_batch(self:TransformersBackend, batch: list[_Job]):
             self.stats['engine_fallbacks'].append(note)
             _log.warning("continuous batching failed (%s); this backend uses %r from now on", note['error'], engine)
     if engine == 'generate': res = hf_generate_batch(self.model, self.tokenizer, reqs, prompts, n)
-    elif engine == 'batched': res = generate_batch(self.model, self.tokenizer, reqs, prompts, n)
+    elif engine == 'batched':
+        res = generate_batch(self.model, self.tokenizer, reqs, prompts, n, between_steps=self._dropper(batch))
     self.engine = engine
     by = self.stats['batches_by_engine']; by[engine] = by.get(engine, 0) + 1
     self.batches_run += 1; self.sequences_run += sum(len(r) for r in res)
     return res
+
+# %% ../../nbs/12_llm_transformers.ipynb #13b8da1a
+@patch
+def _dropper(self:TransformersBackend, batch: list[_Job]):
+    "The `between_steps` of a batch: it keeps `decoding_rows` current and names the jobs whose callers have left."
+    def between_steps(active):
+        gone = {i for i, j in enumerate(batch) if j.future.abandoned}
+        per = batch[0].n if batch[0].request.temperature > 0 else 1
+        left = [row for row in active if row // per not in gone]
+        self.stats['rows_dropped'] += len(active) - len(left)
+        self.decoding_rows = len(left)
+        return gone
+    return between_steps
+
+# %% ../../nbs/12_llm_transformers.ipynb #ce469c0e
+@patch
+def load(self:TransformersBackend) -> dict:
+    "What the engine is doing now: rows in the batch being decoded, parts waiting in its queue, rows dropped so far."
+    return {'decoding_rows': self.decoding_rows, 'queued_parts': self._queue.qsize(), 'rows_dropped': self.stats['rows_dropped']}
 
 # %% ../../nbs/12_llm_transformers.ipynb #53c5e2d7
 @patch
@@ -443,12 +501,15 @@ def _worker(self:TransformersBackend):
             for j in ready: j.future.set_exception(e)
             continue
         for batch in batches:
+            batch = [j for j in batch if not j.future.abandoned]   # callers that left while earlier batches ran
+            if not batch: continue
             try:
                 for j, cs in zip(batch, self._run_batch(batch)):
                     if not j.future.done(): j.future.set_result(cs)
             except Exception as e:
                 for j in batch:
                     if not j.future.done(): j.future.set_exception(e)
+            finally: self.decoding_rows = 0
 
 # %% ../../nbs/12_llm_transformers.ipynb #5c096e4d
 @patch
