@@ -142,7 +142,7 @@ def test_32_concurrent_tmas_requests_each_get_their_own_run_and_a_poison_request
     questions = [p.question for p in PROBLEMS] + ['What is 2 + 2?', 'What is 3 + 5?']
     assert len(set(questions)) == 32
     body = lambda q, **s: {'model': 'tmas', 'messages': [{'role': 'user', 'content': q}], 'max_tokens': 8,
-                           'seed': 3, 'tmas': {'iterations': 1, **s}}
+                           'seed': 3, 'tmas': {'n_candidates': 1, 'iterations': 1, **s}}
     poison = body(questions[0], n_verifications=-1)
     async def go():
         async with httpx.AsyncClient(timeout=900) as c:
@@ -205,12 +205,12 @@ doc_to_text: "{{{{question}}}}"
 doc_to_target: "{{{{answer}}}}"
 generation_kwargs:
   until: []
-  max_gen_toks: 48
+  max_gen_toks: 32
   temperature: 1.0
   do_sample: true
   tmas:
     branches: 2
-    probe_every: 48
+    probe_every: 32
     probe_tokens: 8
 filter_list:
   - name: boxed
@@ -230,7 +230,7 @@ def test_lm_evaluation_harness_accuracy_equals_the_run_folders(gw, tmp_path):
     lm_eval = pytest.importorskip('lm_eval', reason='lm-eval is a development dependency (pip install -e ".[dev]")')
     from lm_eval.tasks import TaskManager
     t, g = gw
-    probs = PROBLEMS[:3]
+    probs = PROBLEMS[:2]
     data = tmp_path / 'demo.jsonl'
     data.write_text(''.join(json.dumps({'id': p.id, 'question': p.question, 'answer': p.answer}) + '\n' for p in probs))
     (tmp_path / 'tmas_demo.yaml').write_text(LME_TASK.format(data=data))
@@ -255,3 +255,41 @@ def test_gateway_command_refuses_an_open_host_without_a_key(capsys):
     assert main(['gateway', '--upstream', 'http://127.0.0.1:9/v1', '--host', '0.0.0.0']) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith('tmas: error: --host 0.0.0.0 makes the server reachable') and '\n' not in err
+
+
+def test_sigterm_cancels_the_work_in_flight_and_the_folder_resumes(gw, upstream, tmp_path):
+    t, g = gw
+    port = free_port()
+    log = tmp_path / 'gateway.log'
+    with open(log, 'wb') as f:
+        proc = subprocess.Popen([sys.executable, '-m', 'tmas_nb.cli', 'gateway', '--upstream', upstream.url, '--port', str(port),
+                                 '--out', str(g.out), '--preset', 'cpu-demo', '--benchmark', 'demo', '--shutdown-timeout', '1'],
+                                stdout=f, stderr=subprocess.STDOUT)
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(f'http://127.0.0.1:{port}/health', timeout=1).status_code == 200: break
+            except httpx.HTTPError: time.sleep(0.1)
+        body = {'model': 'self-refine', 'messages': [{'role': 'user', 'content': PROBLEMS[5].question}], 'max_tokens': 16,
+                'tmas': {'n_candidates': 1, 'iterations': 6}}
+        async def go():
+            async with httpx.AsyncClient(timeout=120) as c:
+                job = asyncio.ensure_future(c.post(f'http://127.0.0.1:{port}/v1/chat/completions', json=body))
+                while not [d for d in os.listdir(g.out) if d.startswith('self-refine-') and d not in seen
+                           and list((g.out / d).glob('checkpoints/*/iter_0.json'))]:
+                    await asyncio.sleep(0.1)
+                proc.send_signal(signal.SIGTERM)
+                return await asyncio.gather(job, return_exceptions=True)
+        seen = {d for d in os.listdir(g.out) if d.startswith('self-refine-')}
+        [answer] = asyncio.run(go())
+        assert proc.wait(timeout=30) in (0, -signal.SIGTERM), log.read_text()[-2000:]   # uvicorn re-raises the signal it handled
+        assert 'timeout graceful shutdown exceeded' in log.read_text()                 # the run in flight was cancelled
+        assert isinstance(answer, httpx.HTTPError) or answer.status_code >= 500      # no answer: the run was cancelled
+        [name] = [d for d in os.listdir(g.out) if d.startswith('self-refine-') and d not in seen]
+        assert not read_status(g.out / name).get('complete')
+        r = httpx.post(f'{t.base_url}/chat/completions', json=body, timeout=300)      # the same request elsewhere continues it
+        assert r.status_code == 200 and r.headers['x-tmas-run'] == name
+        run = load_run(g.out / name)
+        assert run.complete and run.status['invocations'] == 2
+    finally:
+        if proc.poll() is None: proc.kill()
