@@ -293,3 +293,9 @@ def test_sigterm_cancels_the_work_in_flight_and_the_folder_resumes(gw, upstream,
         assert run.complete and run.status['invocations'] == 2
     finally:
         if proc.poll() is None: proc.kill()
+
+
+def test_a_live_controller_request_reuses_the_tokenizer_of_the_last_one():
+    "Each controller request opens a live model that checks the server's tokenizer; the local one is loaded once per process."
+    from tmas_nb.replay.build import _local_tokenizer
+    assert _local_tokenizer(None, 'smollm2') is _local_tokenizer(None, 'smollm2')
