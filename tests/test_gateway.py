@@ -35,7 +35,7 @@ def gw(upstream, tmp_path_factory):
     "A gateway (cpu-demo preset, demo problems graded) in a thread of this process, over the upstream server."
     llm = OpenAIBackend(None, base_url=upstream.url, max_concurrency=64)
     gateway = Gateway(llm, tmp_path_factory.mktemp('gateway'), llm.model_id, 'openai', llm.base_url, preset='cpu-demo',
-                      benchmark='demo', max_runs=32)
+                      benchmark='demo', concurrency=32)
     with GatewayThread(gateway, limits=ServerLimits(max_queue=40)) as t:
         yield t, gateway
     llm.close()
