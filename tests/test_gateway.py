@@ -299,3 +299,20 @@ def test_a_live_controller_request_reuses_the_tokenizer_of_the_last_one():
     "Each controller request opens a live model that checks the server's tokenizer; the local one is loaded once per process."
     from tmas_nb.replay.build import _local_tokenizer
     assert _local_tokenizer(None, 'smollm2') is _local_tokenizer(None, 'smollm2')
+
+
+def test_a_full_queue_answers_503_with_retry_after(gw):
+    t, g = gw
+    import threading
+    with GatewayThread(g, limits=ServerLimits(max_queue=1)) as one:
+        body = lambda q: {'model': 'sampling', 'messages': [{'role': 'user', 'content': q}], 'max_tokens': 8,
+                          'tmas': {'n_candidates': 1, 'iterations': 2}}
+        first = {}
+        th = threading.Thread(target=lambda: first.setdefault('r', httpx.post(f'{one.base_url}/chat/completions',
+                                                                                 json=body(PROBLEMS[6].question), timeout=300)))
+        th.start()
+        while httpx.get(f'http://{one.host}:{one.port}/health').json()['admitted'] < 1: time.sleep(0.05)
+        r = httpx.post(f'{one.base_url}/chat/completions', json=body(PROBLEMS[7].question), timeout=30)
+        assert r.status_code == 503 and r.headers['retry-after'] == '1' and 'busy' in r.json()['error']['message']
+        th.join()
+        assert first['r'].status_code == 200
