@@ -44,6 +44,10 @@ COMMANDS = {   # command: (module:function that adds its flags, help, descriptio
     'serve': ('tmas_nb.llm.server:serve_cli', 'serve a model as an OpenAI-compatible chat server',
               'Load a model and serve it at /v1/chat/completions and /v1/completions (in this process, or with llama-server '
               'for --backend llama.cpp).'),
+    'gateway': ('tmas_nb.gateway:gateway_cli', 'serve every method behind one OpenAI-compatible endpoint, each request a run folder',
+                'Serve TMAS, RSE, the baselines and live controllers at /v1/chat/completions: the model name picks the method '
+                '(mv, tmas, controller:cmc:beta=0.5, ...; GET /v1/models lists them), a "tmas" object in the body sets it, and '
+                'every request writes a resumable run folder under --out.'),
     'engines calibrate': ('tmas_nb.llm.engines:calibrate_cli', 'time each engine at a few widths and save the table',
                           'Measure our engines and llama.cpp on this machine so that `--backend auto` runs each run on the '
                           'fastest.'),

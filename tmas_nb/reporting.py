@@ -88,6 +88,7 @@ REPORT_INPUTS = {  # report: (input, run methods it needs / the path parameter i
     'llm_throughput': ('model', None, 'tmas report llm_throughput'),
     'cpu_engines': ('model', None, 'tmas report cpu_engines'),
     'live_controllers': ('model', None, 'tmas report live_controllers'),
+    'peers_benchmark': ('model', None, 'tmas report peers_benchmark'),
     'scale_benchmark': ('long', None, 'tmas report scale_benchmark'),   # minutes of load on this machine: by name only
     'rl_training': ('path', 'demo_dir', ('tmas rl train --model smollm2 --task toy --reward standard --max-steps 30 --num-generations 8 '
                                  '--max-completion-length 8 --seed 0 --out /tmp/tmas_rl_demo/standard, then the same with '

@@ -4,7 +4,7 @@
 
 # %% ../../nbs/08_replay_build.ipynb #a40091de
 from __future__ import annotations
-import asyncio, json, os, re, time
+import asyncio, functools, json, os, re, time
 from dataclasses import dataclass, asdict, field, fields, replace
 from pathlib import Path
 
@@ -367,14 +367,19 @@ def server_branch_seeds(seed: int, question: int, branches: int) -> list[int]:
     return [s % 2 ** 31 for s in branch_seeds(seed, question, branches)]
 
 # %% ../../nbs/08_replay_build.ipynb #6e475f6a
+@functools.lru_cache(maxsize=8)
+def _tokenizer_at(path: str):
+    "The tokenizer in the model folder `path`, loaded once per process (a gateway opens a live model per request)."
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
 def _local_tokenizer(tokenizer, served_model: str):
     "The local tokenizer for a server build: the one given (object, name or folder), else the served name's when it is local."
     if tokenizer == 'server': return None
     if tokenizer is not None and not isinstance(tokenizer, str): return tokenizer
     name = tokenizer or served_model
     if tokenizer is None and not (packaged_model(name) or Path(name).expanduser().is_dir()): return None
-    from transformers import AutoTokenizer
-    try: return AutoTokenizer.from_pretrained(resolve_model(name))
+    try: return _tokenizer_at(str(resolve_model(name)))
     except Exception as e:
         raise ValueError(f"--tokenizer {name}: cannot load it ({type(e).__name__}: {str(e)[:200]}); pass a packaged model name, "
                          "a local folder or a hub id of the served model's tokenizer, or --tokenizer server") from e

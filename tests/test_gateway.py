@@ -1,0 +1,330 @@
+"""`tmas gateway` driven by real clients (the `openai` SDK, sync and async, streaming on and off; lm-evaluation-harness)
+in front of a real `tmas serve` of the packaged SmolLM2 on loopback. Every request is a run folder that `tmas runs summary`
+reads; a repeated request makes no upstream call; a client that leaves cancels the inner calls and a retry continues."""
+import asyncio, contextlib, io, json, os, signal, subprocess, sys, time
+from pathlib import Path
+
+import httpx, openai, pytest
+
+from tmas_nb.cli import main
+from tmas_nb.data import demo_problems
+from tmas_nb.gateway import Gateway, GatewayThread, problem_for, problem_index
+from tmas_nb.llm.openai_backend import OpenAIBackend
+from tmas_nb.llm.server import ServerLimits
+from tmas_nb.run_folder import load_run, read_status
+from test_llm_server import Server, free_port
+
+PROBLEMS = demo_problems()
+
+
+@pytest.fixture(scope='module')
+def upstream(tmp_path_factory):
+    srv = Server(free_port(), tmp_path_factory.mktemp('logs'), flags=('--max-n', '8'))
+    try:
+        srv.wait_ready()
+        yield srv
+    finally: srv.kill()
+
+
+def upstream_counts(srv) -> dict:
+    return httpx.get(f'http://127.0.0.1:{srv.port}/health', timeout=10).json()
+
+
+@pytest.fixture(scope='module')
+def gw(upstream, tmp_path_factory):
+    "A gateway (cpu-demo preset, demo problems graded) in a thread of this process, over the upstream server."
+    llm = OpenAIBackend(None, base_url=upstream.url, max_concurrency=64)
+    gateway = Gateway(llm, tmp_path_factory.mktemp('gateway'), llm.model_id, 'openai', llm.base_url, preset='cpu-demo',
+                      benchmark='demo', concurrency=32)
+    with GatewayThread(gateway, limits=ServerLimits(max_queue=40)) as t:
+        yield t, gateway
+    llm.close()
+
+
+def ask(q: str, model: str = 'mv', **settings) -> dict:
+    return dict(model=model, messages=[{'role': 'user', 'content': q}], max_tokens=12,
+                extra_body={'tmas': {'n_candidates': 2, **settings}})
+
+
+def summary_json(run_dir) -> dict:
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf): assert main(['runs', 'summary', str(run_dir), '--json']) == 0
+    return json.loads(buf.getvalue())
+
+
+def test_sdk_sync_answer_is_a_run_folder_and_a_repeat_makes_no_upstream_call(gw, upstream):
+    t, g = gw
+    client = openai.OpenAI(base_url=t.base_url, api_key='unused')
+    before = upstream_counts(upstream)['requests']
+    raw = client.chat.completions.with_raw_response.create(**ask(PROBLEMS[0].question))
+    r, name = raw.parse(), raw.headers['x-tmas-run']
+    ext = r.model_extra['tmas']
+    assert ext['run'] == name and ext['problem_id'] == 'demo-01' and ext['method'] == 'mv' and ext['graded']
+    assert upstream_counts(upstream)['requests'] - before == 1                  # MV@2: one call of n=2
+    run = load_run(g.out / name)
+    by = run.usage['by_role']
+    assert r.usage.completion_tokens == sum(d['completion_tokens'] for d in by.values()) > 0       # summed over inner calls
+    assert r.usage.prompt_tokens == sum(d['prompt_tokens'] for d in by.values()) > 0
+    assert ext['tokens_by_role']['solution']['completion_tokens'] == r.usage.completion_tokens
+    s = summary_json(g.out / name)                                                # `tmas runs summary` reads it unchanged
+    assert s['method'] == 'mv' and s['problems'] == 1 and s['complete']
+    vote = run.records[run.records.iteration == 1].iloc[0]
+    assert ext['answer'] == vote.answer and s['iterations'][-1]['pass_at_1'] == float(vote.correct)
+    if vote.answer is not None: assert r.choices[0].message.content == vote.solution   # the voted sample itself
+    n = upstream_counts(upstream)['requests']
+    again = client.chat.completions.with_raw_response.create(**ask(PROBLEMS[0].question))
+    assert upstream_counts(upstream)['requests'] == n                             # the repeat: no upstream call at all
+    a = again.parse()
+    assert again.headers['x-tmas-run'] == name and a.choices[0].message.content == r.choices[0].message.content
+    assert a.usage.completion_tokens == r.usage.completion_tokens and a.model_extra['tmas']['upstream_samples'] == 0
+
+
+def test_async_sdk_streams_the_answer_and_matches_the_unstreamed_one(gw, upstream):
+    t, g = gw
+    async def go():
+        client = openai.AsyncOpenAI(base_url=t.base_url, api_key='unused')
+        kw = ask(PROBLEMS[1].question, 'sampling', iterations=1)
+        stream = await client.chat.completions.create(**kw, stream=True, stream_options={'include_usage': True})
+        parts, finish, usage, ext = [], None, None, None
+        async for ch in stream:
+            if ch.choices:
+                parts.append(ch.choices[0].delta.content or '')
+                if ch.choices[0].finish_reason: finish, ext = ch.choices[0].finish_reason, ch.model_extra['tmas']
+            else: usage = ch.usage
+        n = upstream_counts(upstream)['requests']
+        plain = await client.chat.completions.create(**kw)               # the same request, not streamed: from its folder
+        assert upstream_counts(upstream)['requests'] == n
+        await client.close()
+        return ''.join(parts), finish, usage, ext, plain
+    text, finish, usage, ext, plain = asyncio.run(go())
+    assert finish in ('stop', 'length') and text and text == plain.choices[0].message.content
+    assert usage.completion_tokens == plain.usage.completion_tokens > 0 and ext['run'] == plain.model_extra['tmas']['run']
+
+
+def test_stream_sends_progress_comments_then_chunks_and_done(gw):
+    t, g = gw
+    body = {'model': 'sampling', 'messages': [{'role': 'user', 'content': PROBLEMS[2].question}], 'max_tokens': 24,
+            'stream': True, 'tmas': {'n_candidates': 2, 'iterations': 1}}
+    with httpx.stream('POST', f'{t.base_url}/chat/completions', json=body, timeout=300) as r:
+        assert r.status_code == 200 and r.headers['content-type'].startswith('text/event-stream')
+        lines = [x for x in r.iter_lines() if x]
+    first_data = next(i for i, x in enumerate(lines) if x.startswith('data:'))
+    assert first_data > 0 and all(x.startswith(': tmas running') for x in lines[:first_data])   # progress before the answer
+    assert lines[-1] == 'data: [DONE]'
+    chunks = [json.loads(x[6:]) for x in lines[first_data:-1]]
+    assert {c['object'] for c in chunks} == {'chat.completion.chunk'} and chunks[-1]['tmas']['run'] == r.headers['x-tmas-run']
+
+
+def test_refusals_are_one_line_400s_before_any_upstream_call(gw, upstream):
+    t, g = gw
+    n, folders = upstream_counts(upstream)['requests'], set(os.listdir(g.out))
+    post = lambda body, **kw: httpx.post(f'{t.base_url}/chat/completions', json=body, timeout=30, **kw)
+    q = [{'role': 'user', 'content': PROBLEMS[3].question}]
+    cases = [({'model': 'mv', 'messages': q, 'tmas': {'n_verification': 2}}, 400, '--n-verification does not apply to --method mv'),
+             ({'model': 'tmas', 'messages': q, 'tmas': {'epsilon': 2}}, 400, 'TMASConfig.epsilon: must be in [0, 1]'),
+             ({'model': 'mv', 'messages': q, 'max_tokens': 100, 'tmas': {'n_candidates': 4, 'max_total_tokens': 300}}, 400,
+              'may generate 400 new tokens, over tmas.max_total_tokens of 300'),
+             ({'model': 'mv', 'messages': [{'role': 'system', 'content': 'be brief'}, *q]}, 400, 'a system message cannot be passed'),
+             ({'model': 'controller:sc:k=2', 'messages': q, 'tmas': {'controller': 'x.py'}}, 400, 'tmas.controller: cannot be set'),
+             ({'model': 'controller:discovery:/tmp', 'messages': q}, 400, 'cannot be named by a client'),
+             ({'model': 'gpt-4o', 'messages': q}, 404, 'name a method'),
+             ({'model': 'mv', 'messages': q, 'n': 3}, 400, 'n: a method gives one answer per request')]
+    for body, status, text in cases:
+        r = post(body)
+        assert r.status_code == status and text in r.json()['error']['message'], (body, r.text)
+        assert '\n' not in r.json()['error']['message']
+    assert post({'model': 'mv', 'messages': q}, headers={'content-type': 'text/plain'}).status_code == 415
+    assert upstream_counts(upstream)['requests'] == n and set(os.listdir(g.out)) == folders   # nothing ran, nothing written
+
+
+def test_32_concurrent_tmas_requests_each_get_their_own_run_and_a_poison_request_its_400(gw, upstream):
+    t, g = gw
+    questions = [p.question for p in PROBLEMS] + ['What is 2 + 2?', 'What is 3 + 5?']
+    assert len(set(questions)) == 32
+    body = lambda q, **s: {'model': 'tmas', 'messages': [{'role': 'user', 'content': q}], 'max_tokens': 8,
+                           'seed': 3, 'tmas': {'n_candidates': 1, 'iterations': 1, **s}}
+    poison = body(questions[0], n_verifications=-1)
+    async def go():
+        async with httpx.AsyncClient(timeout=900) as c:
+            return await asyncio.gather(*[c.post(f'{t.base_url}/chat/completions', json=b)
+                                          for b in [*map(body, questions[:16]), poison, *map(body, questions[16:])]])
+    rs = asyncio.run(go())
+    bad = rs.pop(16)
+    assert bad.status_code == 400 and 'n_verifications' in bad.json()['error']['message']
+    known = problem_index('demo')
+    for q, r in zip(questions, rs):
+        assert r.status_code == 200, r.text
+        name = r.headers['x-tmas-run']
+        assert r.json()['tmas']['run'] == name and r.json()['tmas']['problem_id'] == problem_for(q, known).id
+        run = load_run(g.out / name)
+        assert run.complete and run.config['problem_ids'] == [problem_for(q, known).id]
+        prompts = run.calls().prompt.tolist()
+        assert prompts and all(q in p for p in prompts)                            # every inner call asked its own question
+        assert not any(o in p for p in prompts for o in questions if o != q and o not in q)
+        best = run.best()
+        assert r.json()['choices'][0]['message']['content'] == best.solution.iloc[0]
+    assert len({r.headers['x-tmas-run'] for r in rs}) == 32
+
+
+def test_a_client_that_leaves_cancels_the_inner_calls_and_a_retry_continues_the_run(gw, upstream):
+    t, g = gw
+    body = {'model': 'self-refine', 'messages': [{'role': 'user', 'content': PROBLEMS[4].question}], 'max_tokens': 16,
+            'tmas': {'n_candidates': 1, 'iterations': 6}}
+    seen = {d for d in os.listdir(g.out) if d.startswith('self-refine-')}
+    def started():
+        return [d for d in os.listdir(g.out) if d.startswith('self-refine-') and d not in seen
+                and list((g.out / d).glob('checkpoints/*/iter_0.json'))]
+    async def leave_after_the_first_iteration():
+        async with httpx.AsyncClient(timeout=300) as c:
+            job = asyncio.ensure_future(c.post(f'{t.base_url}/chat/completions', json=body))
+            while not started() and not job.done(): await asyncio.sleep(0.05)
+            while not job.done() and (await c.get(f'http://127.0.0.1:{upstream.port}/health')).json()['in_flight'] < 1:
+                await asyncio.sleep(0.05)                    # the next iteration's call is on its way upstream
+            job.cancel()                                     # the client goes away: its connection is closed
+            return await asyncio.gather(job, return_exceptions=True)
+    before = upstream_counts(upstream)
+    [gone] = asyncio.run(leave_after_the_first_iteration())
+    assert isinstance(gone, asyncio.CancelledError)          # it left before the answer
+    deadline = time.monotonic() + 60
+    while upstream_counts(upstream)['in_flight'] and time.monotonic() < deadline: time.sleep(0.2)
+    after = upstream_counts(upstream)
+    assert after['disconnected'] > before['disconnected']          # the call in flight was dropped by the gateway
+    time.sleep(2)
+    assert upstream_counts(upstream)['requests'] == after['requests']   # and no further inner call was sent
+    assert g.counts['cancelled'] >= 1
+    [name] = started()
+    st = read_status(g.out / name)
+    assert not st.get('complete') and (g.out / name / 'checkpoints').is_dir()
+    done = sorted((g.out / name / 'checkpoints').rglob('iter_*.json'))
+    assert 1 <= len(done) < 6
+    mtimes = {p: p.stat().st_mtime_ns for p in done}
+    r = httpx.post(f'{t.base_url}/chat/completions', json=body, timeout=300)          # the retry continues the run
+    assert r.status_code == 200 and r.headers['x-tmas-run'] == name
+    run = load_run(g.out / name)
+    assert run.complete and run.status['invocations'] == 2 and sorted(run.records.iteration.unique()) == list(range(6))
+    assert all(p.stat().st_mtime_ns == m for p, m in mtimes.items())          # the finished iterations were kept, not redone
+    assert upstream_counts(upstream)['requests'] - after['requests'] == 6 - len(done)
+
+
+LME_TASK = """task: tmas_demo
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{question}}}}"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: []
+  max_gen_toks: 32
+  temperature: 1.0
+  do_sample: true
+  tmas:
+    branches: 2
+    probe_every: 32
+    probe_tokens: 8
+filter_list:
+  - name: boxed
+    filter:
+      - function: regex
+        regex_pattern: "\\\\\\\\boxed\\\\{{([^{{}}]*)\\\\}}"
+        group_select: -1
+      - function: take_first
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+def test_lm_evaluation_harness_accuracy_equals_the_run_folders(gw, tmp_path):
+    lm_eval = pytest.importorskip('lm_eval', reason='lm-eval is a development dependency (pip install -e ".[dev]")')
+    from lm_eval.tasks import TaskManager
+    t, g = gw
+    probs = PROBLEMS[:2]
+    data = tmp_path / 'demo.jsonl'
+    data.write_text(''.join(json.dumps({'id': p.id, 'question': p.question, 'answer': p.answer}) + '\n' for p in probs))
+    (tmp_path / 'tmas_demo.yaml').write_text(LME_TASK.format(data=data))
+    before = set(os.listdir(g.out))
+    res = lm_eval.simple_evaluate(
+        model='local-chat-completions', tasks=['tmas_demo'], task_manager=TaskManager(include_path=str(tmp_path)),
+        model_args=f'base_url={t.base_url}/chat/completions,model=controller:sc:k=2,tokenizer_backend=None,'
+                   'tokenized_requests=False,max_retries=1,timeout=600', apply_chat_template=True, log_samples=True)
+    acc = res['results']['tmas_demo']['exact_match,boxed']
+    new = sorted(set(os.listdir(g.out)) - before)
+    assert len(new) == len(probs)
+    runs = {load_run(g.out / d).config['problem_ids'][0]: g.out / d for d in new}
+    assert sorted(runs) == [p.id for p in probs]
+    passes = [summary_json(d)['iterations'][-1]['pass_at_1'] for d in runs.values()]
+    assert acc == pytest.approx(sum(passes) / len(passes))                 # the harness's accuracy = `tmas runs summary`'s
+    for s in res['samples']['tmas_demo']:                                   # and answer by answer
+        got = load_run(runs[s['doc']['id']]).records.answer.iloc[-1]
+        assert s['filtered_resps'][0] == (got if got is not None else '[invalid]')
+
+
+def test_gateway_command_refuses_an_open_host_without_a_key(capsys):
+    assert main(['gateway', '--upstream', 'http://127.0.0.1:9/v1', '--host', '0.0.0.0']) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith('tmas: error: --host 0.0.0.0 makes the server reachable') and '\n' not in err
+
+
+def test_sigterm_cancels_the_work_in_flight_and_the_folder_resumes(gw, upstream, tmp_path):
+    t, g = gw
+    port = free_port()
+    log = tmp_path / 'gateway.log'
+    with open(log, 'wb') as f:
+        proc = subprocess.Popen([sys.executable, '-m', 'tmas_nb.cli', 'gateway', '--upstream', upstream.url, '--port', str(port),
+                                 '--out', str(g.out), '--preset', 'cpu-demo', '--benchmark', 'demo', '--shutdown-timeout', '1'],
+                                stdout=f, stderr=subprocess.STDOUT)
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(f'http://127.0.0.1:{port}/health', timeout=1).status_code == 200: break
+            except httpx.HTTPError: time.sleep(0.1)
+        body = {'model': 'self-refine', 'messages': [{'role': 'user', 'content': PROBLEMS[5].question}], 'max_tokens': 16,
+                'tmas': {'n_candidates': 1, 'iterations': 6}}
+        async def go():
+            async with httpx.AsyncClient(timeout=120) as c:
+                job = asyncio.ensure_future(c.post(f'http://127.0.0.1:{port}/v1/chat/completions', json=body))
+                while not [d for d in os.listdir(g.out) if d.startswith('self-refine-') and d not in seen
+                           and list((g.out / d).glob('checkpoints/*/iter_0.json'))]:
+                    await asyncio.sleep(0.1)
+                proc.send_signal(signal.SIGTERM)
+                return await asyncio.gather(job, return_exceptions=True)
+        seen = {d for d in os.listdir(g.out) if d.startswith('self-refine-')}
+        [answer] = asyncio.run(go())
+        assert proc.wait(timeout=30) in (0, -signal.SIGTERM), log.read_text()[-2000:]   # uvicorn re-raises the signal it handled
+        assert 'timeout graceful shutdown exceeded' in log.read_text()                 # the run in flight was cancelled
+        assert isinstance(answer, httpx.HTTPError) or answer.status_code >= 500      # no answer: the run was cancelled
+        [name] = [d for d in os.listdir(g.out) if d.startswith('self-refine-') and d not in seen]
+        assert not read_status(g.out / name).get('complete')
+        r = httpx.post(f'{t.base_url}/chat/completions', json=body, timeout=300)      # the same request elsewhere continues it
+        assert r.status_code == 200 and r.headers['x-tmas-run'] == name
+        run = load_run(g.out / name)
+        assert run.complete and run.status['invocations'] == 2
+    finally:
+        if proc.poll() is None: proc.kill()
+
+
+def test_a_live_controller_request_reuses_the_tokenizer_of_the_last_one():
+    "Each controller request opens a live model that checks the server's tokenizer; the local one is loaded once per process."
+    from tmas_nb.replay.build import _local_tokenizer
+    assert _local_tokenizer(None, 'smollm2') is _local_tokenizer(None, 'smollm2')
+
+
+def test_a_full_queue_answers_503_with_retry_after(gw):
+    t, g = gw
+    import threading
+    with GatewayThread(g, limits=ServerLimits(max_queue=1)) as one:
+        body = lambda q: {'model': 'sampling', 'messages': [{'role': 'user', 'content': q}], 'max_tokens': 8,
+                          'tmas': {'n_candidates': 1, 'iterations': 2}}
+        first = {}
+        th = threading.Thread(target=lambda: first.setdefault('r', httpx.post(f'{one.base_url}/chat/completions',
+                                                                                 json=body(PROBLEMS[6].question), timeout=300)))
+        th.start()
+        while httpx.get(f'http://{one.host}:{one.port}/health').json()['admitted'] < 1: time.sleep(0.05)
+        r = httpx.post(f'{one.base_url}/chat/completions', json=body(PROBLEMS[7].question), timeout=30)
+        assert r.status_code == 503 and r.headers['retry-after'] == '1' and 'busy' in r.json()['error']['message']
+        th.join()
+        assert first['r'].status_code == 200
