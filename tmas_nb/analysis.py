@@ -16,7 +16,7 @@ from .runs import (Run, load_run, BANK_COLUMNS, TMAS_VARIANTS, tmas_variant, run
 from .run_folder import best_candidates
 from .core import read_untrusted_text, UntrustedFileError
 from .stats import (welch as _welch, significance_vs_baseline, problem_rates, pass_at_1_intervals, compare_paired,
-                           add_holm)
+                           add_holm, group_difference)
 
 # %% auto #0
 __all__ = ['RunData', 'read_run', 'SMALL_MODELS', 'BENCHMARK_SIZES', 'TRAININGS', 'PAPER_COLUMNS', 'ITEM_KINDS', 'expand_runs',
@@ -208,7 +208,8 @@ def paired_table(pooled: pd.DataFrame, pairs: Sequence[tuple[str, str]], keys: S
                 y = B[B.iteration == ib].set_index('problem_id').rate
                 common = x.index.intersection(y.index)
                 if not len(common): continue
-                c = compare_paired(x[common].to_numpy(), y[common].to_numpy())
+                one = bool((A[A.iteration == ia].candidates == 1).all() and (B[B.iteration == ib].candidates == 1).all())
+                c = compare_paired(x[common].to_numpy(), y[common].to_numpy(), one_answer=one)
                 rows.append({**dict(zip(keys, gkey)), 'a': a, 'b': b, 'iteration_a': ia, 'iteration_b': ib, **c})
     cols = [*keys, 'a', 'b', 'iteration_a', 'iteration_b', 'diff', 'diff_low', 'diff_high', 'p', 'problems', 'test']
     return add_holm(pd.DataFrame(rows, columns=cols))
@@ -286,7 +287,7 @@ def tokens_by_method(runs: Sequence[RunData]) -> pd.DataFrame:
 
 # %% ../nbs/30_analysis.ipynb #ad98db23
 def verification_paradox(records: pd.DataFrame) -> pd.DataFrame:
-    "Per iteration and over all iterations ('all'): mean verification score of ever- vs never-correct problems, Δ = never − ever, Welch t and p."
+    "Per iteration and over all iterations ('all'): mean verification score of ever- vs never-correct problems, Δ = never − ever with its 95 % bootstrap interval over problems, Welch t and p."
     ever = records.groupby('problem_id')['correct'].any()
     scored = records[records['mean_score'].notna()]
     rows = []
@@ -301,8 +302,9 @@ def verification_paradox(records: pd.DataFrame) -> pd.DataFrame:
         unscored = int(sel['problem_id'].nunique() - len(per_problem))
         if unscored: note = (note + '; ' if note else '') + f"{unscored} problem(s) without a parseable verification score left out"
         me, mn = (float(e.mean()) if len(e) else float('nan')), (float(n.mean()) if len(n) else float('nan'))
-        rows.append({'iteration': str(it), 'mean_ever': me, 'mean_never': mn, 'delta': mn - me,
-                     'n_ever': int(len(e)), 'n_never': int(len(n)), 't': t, 'p_value': p, 'note': note})
+        gd = group_difference(n.values, e.values)
+        rows.append({'iteration': str(it), 'mean_ever': me, 'mean_never': mn, 'delta': mn - me, 'delta_low': gd['diff_low'],
+                     'delta_high': gd['diff_high'], 'n_ever': int(len(e)), 'n_never': int(len(n)), 't': t, 'p_value': p, 'note': note})
     return pd.DataFrame(rows)
 
 # %% ../nbs/30_analysis.ipynb #aed356ca

@@ -93,9 +93,9 @@ def _ratio_interval(ref: pd.Series, other: pd.Series, seed: int = 0) -> tuple[fl
 
 def _row(m: dict) -> dict: return {'value': m['value'], 'low': m['low'], 'high': m['high'], 'problems': m['n']}
 
-def _comparison(name: str, ref: str, x: pd.Series, y: pd.Series) -> dict:
+def _comparison(name: str, ref: str, x: pd.Series, y: pd.Series, one_answer: bool) -> dict:
     common = x.index.intersection(y.index)
-    c = compare_paired(x[common].to_numpy(), y[common].to_numpy())
+    c = compare_paired(x[common].to_numpy(), y[common].to_numpy(), one_answer=one_answer)
     return {'run': name, 'reference': ref, **{k: c[k] for k in ('diff', 'diff_low', 'diff_high', 'p', 'problems', 'test')}}
 
 # %% ../nbs/30b_compare.ipynb #a8629c6f
@@ -107,17 +107,18 @@ def compare_runs(runs: Sequence[Run], judges='auto') -> dict:
     done = set.intersection(*[set(r.records['problem_id'].astype(str)) for r in runs])
     rates = {n: problem_rates(r.records, judges).pipe(lambda f: f[f.problem_id.astype(str).isin(done)]) for n, r in zip(names, runs)}
     by_it = {n: {int(i): g.set_index('problem_id').rate for i, g in f.groupby('iteration')} for n, f in rates.items()}
+    single = {n: {int(i): bool((g.candidates == 1).all()) for i, g in f.groupby('iteration')} for n, f in rates.items()}
     iterations = sorted(set.intersection(*[set(d) for d in by_it.values()]))
     ref = names[0]
     out_its = []
     for it in iterations:
         out_its.append({'iteration': it, 'pass_at_1': {n: _row(mean_interval(by_it[n][it])) for n in names},
-                        'comparisons': [_comparison(n, ref, by_it[n][it], by_it[ref][it]) for n in names[1:]]})
+                        'comparisons': [_comparison(n, ref, by_it[n][it], by_it[ref][it], single[n][it] and single[ref][it]) for n in names[1:]]})
     best = {n: problem_rates(best_candidates(r.records), judges).pipe(lambda f: f[f.problem_id.astype(str).isin(done)]) for n, r in zip(names, runs)}
     last = {n: int(f.iteration.max()) for n, f in best.items()}
     final_rates = {n: f[f.iteration == last[n]].set_index('problem_id').rate for n, f in best.items()}
     final = {'iteration': last, 'pass_at_1': {n: _row(mean_interval(final_rates[n])) for n in names},
-             'comparisons': [_comparison(n, ref, final_rates[n], final_rates[ref]) for n in names[1:]]}
+             'comparisons': [_comparison(n, ref, final_rates[n], final_rates[ref], True) for n in names[1:]]}
     every = [c for i in out_its for c in i['comparisons']] + final['comparisons']
     for c, ph in zip(every, holm([c['p'] for c in every])): c['p_holm'] = float(ph) if np.isfinite(ph) else None
     tok = {}

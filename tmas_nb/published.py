@@ -15,7 +15,7 @@ from .stats import pass_at_1_intervals, pooled_rates, problem_rates
 
 # %% auto #0
 __all__ = ['Q30', 'Q4', 'TMAS_GRADING', 'RSE_GRADING', 'TMAS_LABELS', 'TMAS_TABLE1_ITERATIONS', 'TMAS_TABLE1', 'RSE_BENCH',
-           'RSE_TABLE1', 'published', 'grading_kind', 'beside_ours', 'ours_for_paper']
+           'RSE_TABLE1', 'SHOWN', 'published', 'grading_kind', 'beside_ours', 'ours_for_paper', 'comparison_text']
 
 # %% ../nbs/26_published.ipynb #916f8927
 Q30, Q4 = 'Qwen3-30B-A3B-Thinking-2507', 'Qwen3-4B-Thinking-2507'
@@ -197,3 +197,18 @@ def ours_for_paper(runs: Sequence, judges='auto') -> pd.DataFrame:
     out = pd.DataFrame(rows, columns=cols)
     out['iteration'] = out['iteration'].astype('Int64')
     return out
+
+# %% ../nbs/26_published.ipynb #f0716173
+SHOWN = ['source', 'benchmark', 'label', 'iteration', 'model', 'paper', 'ours', 'ours_low', 'ours_high', 'diff', 'our_model',
+         'paper_in_interval', 'comparable']
+
+def comparison_text(m: pd.DataFrame, what: str = 'Pass@1 %') -> str:
+    "The rows of a `beside_ours` table that have ours (else the published rows), as the reports print them, with a caption."
+    from tmas_nb.reporting import stats_table
+    from tmas_nb.stats import interval_note
+    mine = m[m.ours.notna()]
+    if not len(mine):
+        return stats_table(m[[c for c in ('source', 'benchmark', 'setting', 'label', 'iteration', 'model', 'paper') if c in m]],
+                           caption=f"No run of ours meets these published {what} numbers (benchmark, label, iteration and backbone).")
+    return stats_table(mine[[c for c in SHOWN if c in mine]], digits=2,
+                       caption=f"{what}; ours [95 % CI]: {interval_note()}. paper_in_interval: the published number lies inside our interval.")

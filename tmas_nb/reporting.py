@@ -20,7 +20,7 @@ from .core import repo_root, find_data_dir, DATA_HINT
 __all__ = ['PATH_PARAMETERS', 'REPORT_INPUTS', 'FIGURE_DPI', 'STYLE', 'reports_dir', 'list_reports', 'resolve_paths',
            'report_kernel', 'run_report', 'report_defaults', 'missing_input', 'report_cli', 'use_style', 'figure_style',
            'save_figure', 'iteration_ticks', 'interval_label', 'format_p', 'stats_table', 'interval_curves',
-           'runs_curve', 'plain_ticks', 'footnote']
+           'json_rows', 'runs_curve', 'plain_ticks', 'footnote']
 
 # %% ../nbs/90_reporting.ipynb #55f9aab8
 def reports_dir() -> Path:
@@ -270,7 +270,8 @@ def _is_p(col: str) -> bool: return col in ('p', 'p_value') or col.startswith('p
 
 def _number(v, scale: float, digits: int, signed: bool) -> str:
     if not _finite(v): return '–'
-    return f"{float(v) * scale:{'+' if signed else ''}.{digits}f}"
+    x = round(float(v) * scale, digits) + 0.0          # + 0.0: no '-0.0' for a value that rounds to zero
+    return f"{x:{'+' if signed else ''}.{digits}f}"
 
 def stats_table(frame: pd.DataFrame, caption: str = '', percent: tuple = (), digits: int = 1) -> str:
     "Markdown of `frame` with `X [low, high]` for every `X` that has `X_low`/`X_high`, `percent` columns ×100, differences signed, p-values formatted, and `caption` below."
@@ -302,6 +303,16 @@ def interval_curves(ax, rates: pd.DataFrame, x: str = 'iteration', y: str = 'rat
                  palette=(colors * (n // len(colors) + 1))[:n], **kw)
     ax.set_ylabel('')
     return ax
+
+# %% ../nbs/90_reporting.ipynb #5890556b
+def json_rows(frame: pd.DataFrame, columns: list | None = None) -> list[dict]:
+    "Rows of `frame` (or of its `columns`) as dicts for JSON: numpy numbers as Python numbers, NaN and NA as None."
+    f = frame[list(columns)] if columns is not None else frame
+    def plain(v):
+        if v is None or (isinstance(v, float) and math.isnan(v)) or v is pd.NA: return None
+        if isinstance(v, np.generic): v = v.item()
+        return None if isinstance(v, float) and math.isnan(v) else v
+    return [{k: plain(v) for k, v in r.items()} for r in f.to_dict('records')]
 
 # %% ../nbs/90_reporting.ipynb #c6c47c15
 def runs_curve(ax, frame: pd.DataFrame, x: str, y: str, label: str, **kw):

@@ -16,8 +16,9 @@ from .run_folder import carry_forward, judge_columns
 # %% auto #0
 __all__ = ['CONFIDENCE', 'N_BOOT', 'PERMUTATIONS', 'EXACT_FLIPS', 'problem_rates', 'bootstrap_interval', 'mean_interval',
            'pass_at_1_intervals', 'pooled_rates', 'simulate_coverage', 'sign_flip_p', 'paired_difference',
-           'mcnemar_exact', 'compare_paired', 'holm', 'add_holm', 'welch', 'significance_vs_baseline',
-           'runs_comparison', 'detectable_difference', 'power_sentence', 'interval_note', 'p_value_note']
+           'mcnemar_exact', 'compare_paired', 'holm', 'add_holm', 'welch', 'group_difference',
+           'significance_vs_baseline', 'runs_comparison', 'detectable_difference', 'power_sentence', 'interval_note',
+           'p_value_note']
 
 # %% ../nbs/30a_stats.ipynb #3c20a999
 CONFIDENCE = 0.95
@@ -150,10 +151,11 @@ def mcnemar_exact(a, b, level: float = CONFIDENCE, n_boot: int = N_BOOT, seed: i
             'problems': int(len(a)), 'a_only': a_only, 'b_only': b_only, 'test': "McNemar's exact test (one answer per problem)"}
 
 # %% ../nbs/30a_stats.ipynb #5d1afe3a
-def compare_paired(a, b, level: float = CONFIDENCE, n_boot: int = N_BOOT, seed: int = 0) -> dict:
-    "The paired comparison that fits: McNemar's exact test when both methods give one answer per problem (values 0 or 1), else the sign-flip test."
+def compare_paired(a, b, one_answer: bool | None = None, level: float = CONFIDENCE, n_boot: int = N_BOOT, seed: int = 0) -> dict:
+    "The paired comparison that fits: McNemar's exact test when both methods give one answer per problem (`one_answer`; None: read from the values, all 0 or 1), else the sign-flip test."
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    binary = len(a) and np.isin(a, (0.0, 1.0)).all() and np.isin(b, (0.0, 1.0)).all()
+    binary = bool(len(a)) and np.isin(a, (0.0, 1.0)).all() and np.isin(b, (0.0, 1.0)).all()
+    if one_answer is not None: binary = binary and one_answer
     return mcnemar_exact(a == 1, b == 1, level, n_boot, seed) if binary else paired_difference(a, b, level, n_boot, seed)
 
 # %% ../nbs/30a_stats.ipynb #db593e3f
@@ -181,6 +183,19 @@ def welch(a: Sequence[float], b: Sequence[float]) -> tuple[float, float, str]:
         return float('nan'), float('nan'), "both groups have zero variance; the t-test is undefined"
     t, p = sps.ttest_ind(a, b, equal_var=False)
     return float(t), float(p), ''
+
+# %% ../nbs/30a_stats.ipynb #0a141d73
+def group_difference(x, y, level: float = CONFIDENCE, n_boot: int = N_BOOT, seed: int = 0) -> dict:
+    "Two groups of problems: `diff` = mean(x) − mean(y), its percentile bootstrap interval (each group resampled on its own), Welch's p."
+    x, y = (np.sort(np.asarray(v, dtype=np.float64)) for v in (x, y))
+    x, y = x[np.isfinite(x)], y[np.isfinite(y)]
+    t, p, note = welch(x, y)
+    diff = float(x.mean() - y.mean()) if len(x) and len(y) else float('nan')
+    if len(x) < 2 or len(y) < 2: return {'diff': diff, 'diff_low': float('nan'), 'diff_high': float('nan'), 'p': p, 'note': note}
+    rng = np.random.default_rng(seed)
+    d = x[rng.integers(0, len(x), (n_boot, len(x)))].mean(axis=1) - y[rng.integers(0, len(y), (n_boot, len(y)))].mean(axis=1)
+    lo, hi = np.quantile(d, [(1 - level) / 2, (1 + level) / 2])
+    return {'diff': diff, 'diff_low': float(lo), 'diff_high': float(hi), 'p': p, 'note': note}
 
 # %% ../nbs/30a_stats.ipynb #87644e35
 def significance_vs_baseline(values_a: Sequence[float], values_b: Sequence[float]) -> dict:
@@ -227,13 +242,13 @@ def power_sentence(problems: int, candidates: int, rates=None, alpha: float = 0.
             f"(paired test over problems, α = {alpha:g}, {assume}; smaller differences cannot be told from noise)")
 
 # %% ../nbs/30a_stats.ipynb #844dd9ae
-def interval_note(problems, unit: str = 'problem', within: str = 'candidates') -> str:
-    "What an interval is: '95 % BCa bootstrap interval over 50 problems (each problem's candidates resampled together)'."
-    n = problems if isinstance(problems, str) else f'{int(problems)}'
-    return f"{100 * CONFIDENCE:.0f} % BCa bootstrap interval over {n} {unit}s (each {unit}'s {within} resampled together)"
+def interval_note(problems: int | None = None, unit: str = 'problem', within: str | None = 'candidates') -> str:
+    "What an interval is: '95 % BCa bootstrap interval over 50 problems (each problem's candidates resampled together)'; without a number, over each row's problems."
+    n = f'{int(problems)} {unit}s' if problems is not None else f"each row's {unit}s"
+    return f"{100 * CONFIDENCE:.0f} % BCa bootstrap interval over {n}" + (f" (each {unit}'s {within} resampled together)" if within else '')
 
-def p_value_note(comparisons: int | None = None) -> str:
+def p_value_note(comparisons: int | None = None, unit: str = 'problem', mcnemar: bool = True) -> str:
     "What a p-value is, and how many comparisons its Holm adjustment covers."
-    s = ("p: sign-flip permutation test over problems (McNemar's exact test where each problem has one answer per method)")
+    s = f"p: sign-flip permutation test over {unit}s" + (f" (McNemar's exact test where each {unit} has one answer per method)" if mcnemar else '')
     if comparisons: s += f"; p_holm: Holm-adjusted across the {comparisons} comparison{'s' if comparisons != 1 else ''} of this table"
     return s
