@@ -12,9 +12,12 @@ import numpy as np
 import pandas as pd
 
 from .analysis import backbone, benchmark_name, protocol_name
+from matplotlib.figure import Figure
+
 from .cli import UserError
 from .core import terminal_safe
 from .published import grading_kind
+from .reporting import (STYLE, _number, figure_style, footnote, format_p, interval_curves, iteration_ticks, save_figure)
 from .run_folder import Run, best_candidates, grading_label, judge_columns, load_run
 from .stats import (CONFIDENCE, N_BOOT, bootstrap_interval, compare_paired, holm, interval_note, mean_interval,
                            p_value_note, problem_rates)
@@ -143,7 +146,6 @@ def compare_runs(runs: Sequence[Run], judges='auto') -> dict:
 
 # %% ../nbs/30b_compare.ipynb #7d86391b
 def _cell(d: dict, scale: float = 100.0, signed: bool = False) -> str:
-    from tmas_nb.reporting import _number
     v, lo, hi = (d.get(k) for k in (('diff', 'diff_low', 'diff_high') if signed else ('value', 'low', 'high')))
     s = _number(v, scale, 1, signed)
     return s + (f" [{_number(lo, scale, 1, signed)}, {_number(hi, scale, 1, signed)}]" if lo is not None and hi is not None
@@ -151,7 +153,6 @@ def _cell(d: dict, scale: float = 100.0, signed: bool = False) -> str:
 
 def compare_lines(res: dict) -> list[str]:
     "The comparison as lines for a terminal: who is compared, the flags, Pass@1 by iteration with differences and p, the final answer, tokens."
-    from tmas_nb.reporting import format_p
     names, ref = [r['name'] for r in res['runs']], res['reference']
     out = [f"{r['name']}: {r['label']} · {r['model']} · {r['benchmark']}, {r['problems']} problems · protocol {r['protocol']} · "
            f"{r['grading']}" + ('' if r['complete'] else ' · not finished') for r in res['runs']]
@@ -179,8 +180,6 @@ def compare_lines(res: dict) -> list[str]:
 # %% ../nbs/30b_compare.ipynb #8440c625
 def compare_figure(res: dict, runs: Sequence[Run], path, judges='auto') -> Path:
     "A PNG: Pass@1 by iteration with 95 % bands over problems, and each run's difference from the reference with its interval and Holm-adjusted p."
-    from matplotlib.figure import Figure
-    from tmas_nb.reporting import STYLE, figure_style, footnote, format_p, interval_curves, iteration_ticks, save_figure
     names, ref = [r['name'] for r in res['runs']], res['reference']
     its = [i['iteration'] for i in res['iterations']]
     long = pd.concat([problem_rates(r.records, judges).assign(run=n) for n, r in zip(names, runs)], ignore_index=True)

@@ -11,7 +11,8 @@ import pandas as pd
 
 from .analysis import PAPER_COLUMNS, paper_comparison, backbone, benchmark_name, protocol_name
 from .run_folder import best_candidates, grading_label, judge_columns
-from .stats import pass_at_1_intervals, pooled_rates, problem_rates
+from .reporting import stats_table
+from .stats import interval_note, pass_at_1_intervals, pooled_rates, problem_rates
 
 # %% auto #0
 __all__ = ['Q30', 'Q4', 'TMAS_GRADING', 'RSE_GRADING', 'TMAS_LABELS', 'TMAS_TABLE1_ITERATIONS', 'TMAS_TABLE1', 'RSE_BENCH',
@@ -204,8 +205,6 @@ SHOWN = ['source', 'benchmark', 'label', 'iteration', 'model', 'paper', 'ours', 
 
 def comparison_text(m: pd.DataFrame, what: str = 'Pass@1 %') -> str:
     "The rows of a `beside_ours` table that have ours (else the published rows), as the reports print them, with a caption."
-    from tmas_nb.reporting import stats_table
-    from tmas_nb.stats import interval_note
     mine = m[m.ours.notna()]
     if not len(mine):
         return stats_table(m[[c for c in ('source', 'benchmark', 'setting', 'label', 'iteration', 'model', 'paper') if c in m]],

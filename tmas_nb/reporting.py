@@ -13,8 +13,11 @@ import numpy as np
 import pandas as pd
 from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 
+import seaborn as sns
+
 from .cli import UserError, error_message
 from .core import repo_root, find_data_dir, DATA_HINT
+from .stats import bootstrap_interval
 
 # %% auto #0
 __all__ = ['PATH_PARAMETERS', 'REPORT_INPUTS', 'FIGURE_DPI', 'STYLE', 'reports_dir', 'list_reports', 'resolve_paths',
@@ -294,8 +297,6 @@ def stats_table(frame: pd.DataFrame, caption: str = '', percent: tuple = (), dig
 # %% ../nbs/90_reporting.ipynb #d31b520f
 def interval_curves(ax, rates: pd.DataFrame, x: str = 'iteration', y: str = 'rate', hue: str = 'label', scale: float = 100.0, **kw):
     "Seaborn lines of the mean of `y` (one row per problem) over `x`, one per `hue`, each with its 95 % bootstrap band over problems."
-    import seaborn as sns
-    from tmas_nb.stats import bootstrap_interval
     d = rates.assign(_y=pd.to_numeric(rates[y]) * scale)
     n = d[hue].nunique()
     colors = matplotlib.rcParams['axes.prop_cycle'].by_key()['color']

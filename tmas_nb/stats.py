@@ -10,6 +10,9 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 from scipy import stats as sps
+from statsmodels.stats.contingency_tables import mcnemar
+from statsmodels.stats.multitest import multipletests
+from statsmodels.stats.power import TTestPower
 
 from .run_folder import carry_forward, judge_columns
 
@@ -141,7 +144,6 @@ def paired_difference(a, b, level: float = CONFIDENCE, n_boot: int = N_BOOT, see
 # %% ../nbs/30a_stats.ipynb #ac27ddf4
 def mcnemar_exact(a, b, level: float = CONFIDENCE, n_boot: int = N_BOOT, seed: int = 0) -> dict:
     "One answer per problem per method (booleans, aligned): McNemar's exact test, `diff` (a − b) with its bootstrap interval, and the discordant counts."
-    from statsmodels.stats.contingency_tables import mcnemar
     a, b = np.asarray(a, dtype=bool), np.asarray(b, dtype=bool)
     if a.shape != b.shape: raise ValueError(f"McNemar's test needs one answer per problem for both methods (got {len(a)} and {len(b)})")
     a_only, b_only = int((a & ~b).sum()), int((~a & b).sum())
@@ -161,7 +163,6 @@ def compare_paired(a, b, one_answer: bool | None = None, level: float = CONFIDEN
 # %% ../nbs/30a_stats.ipynb #db593e3f
 def holm(pvalues) -> np.ndarray:
     "Holm-adjusted p-values (statsmodels `multipletests(method='holm')`); NaN where a p-value is NaN, not counted."
-    from statsmodels.stats.multitest import multipletests
     p = np.asarray(pvalues, dtype=np.float64)
     out = np.full(p.shape, np.nan)
     ok = np.isfinite(p)
@@ -224,7 +225,6 @@ def runs_comparison(runs_a: Sequence[pd.Series], runs_b: Sequence[pd.Series], se
 # %% ../nbs/30a_stats.ipynb #a88902ae
 def detectable_difference(problems: int, candidates: int, rates=0.5, alpha: float = 0.05, power: float = 0.8) -> float:
     "The smallest difference in Pass@1 (0–1) a paired test over `problems` detects with probability `power` at level `alpha`, `candidates` per problem, per-problem success `rates`."
-    from statsmodels.stats.power import TTestPower
     r = np.clip(np.atleast_1d(np.asarray(rates, dtype=np.float64)), 0.0, 1.0)
     within = float(np.mean(r * (1 - r)))                  # a candidate's binomial variance, averaged over problems
     if problems < 2 or candidates < 1 or within == 0: return float('nan')
