@@ -58,7 +58,7 @@ FLAGS = {
                                                           'report', 'rl data', 'rl teacher', 'rl train', 'run', 'gateway'}),
     '--quiet': ('no progress bar', {'data fetch', 'data hard-subset', 'discover', 'engines build-llama', 'engines calibrate',
                                     'judge', 'replay build', 'replay eval', 'replay grid', 'report', 'rl teacher', 'rl train', 'run'}),
-    '--json': ('print one JSON object', {'data list', 'doctor', 'grade', 'replay eval', 'runs summary'}),
+    '--json': ('print one JSON object', {'compare', 'data list', 'doctor', 'grade', 'replay eval', 'runs summary'}),
     '--html': ('write an HTML file', {'runs export'}),
     # data
     '--data-dir': ('the data folder', {'data list', 'data mirror', 'discover', 'replay build', 'replay eval', 'replay grid', 'replay show'}),
@@ -96,7 +96,7 @@ FLAGS = {
     '--controller-configs': ("its class's parameter sets", {'replay grid'}),
     '--seeds': ('number of seeds (branch orders)', {'discover', 'replay eval', 'replay grid'}),
     '--trace': ('a step trace file', {'replay eval'}), '--trace-seeds': ('seeds traced', {'replay eval'}),
-    '--question': ('one question of the store, 0-based', {'replay show'}), '--png': ('the PNG file a picture goes to', {'replay show'}),
+    '--question': ('one question of the store, 0-based', {'replay show'}), '--png': ('the PNG file a picture goes to', {'compare', 'replay show'}),
     '--branches': ('branches per question', {'replay build', 'run'}), '--probe-every': ('probe interval', {'replay build', 'run'}),
     '--probe-tokens': ('tokens per probe', {'replay build', 'run'}),
     '--rounds': ('discovery rounds', {'discover'}), '--train': ('search stores', {'discover'}),

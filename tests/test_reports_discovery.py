@@ -3,6 +3,7 @@ import json
 from dataclasses import replace
 
 import pandas as pd
+import pytest
 
 from tmas_nb.discovery import DiscoveryConfig, EXAMPLE_CONTROLLER, ScriptedLLM, run_discovery, synthetic_store
 from tmas_nb.replay.authors_api import store_records
@@ -36,6 +37,12 @@ def test_autotts_discovery_report(tmp_path):
     assert {'SC@64', 'CMC β=0.5'} <= set(ho.method) and ho.method.str.startswith('selected').sum() >= 2
     ceiling = dict(zip(ho.method, ho.ceiling.astype(str)))     # each row states its controller's branch ceiling
     assert (ceiling['SC@64'], ceiling['CMC β=0.5'], ceiling['CMC β=1.0']) == ('64', '34', '64')
+    # each controller of the held-out table against the strongest baseline that spends no more tokens, paired over questions
+    mc = pd.read_csv(d / 'heldout_matched_cost.csv')
+    assert set(mc.controller) == set(ho.method) and (mc.baseline_tokens_k <= mc.tokens_k + 1e-9).all()
+    assert (mc.questions == 4).all() and (mc.p_holm >= mc.p - 1e-12).all() and len(s['matched_cost']) == len(ho)
+    sel = mc[mc.controller.str.contains('selected β')].iloc[0]                      # its accuracy is the held-out table's
+    assert sel.acc == pytest.approx(ho.set_index('method').loc[sel.controller, 'acc'], abs=0.01)
     [c] = s['authors_comparison']
     assert c['round'] == 0 and c['points'] == 3 and c['max_abs_acc_diff'] < 0.006 and abs(c['tokens_ratio_mean'] - 1) < 0.01
     assert (d / 'authors_comparison.png').stat().st_size > 10_000 and len(pd.read_csv(d / 'authors_comparison.csv')) == 3

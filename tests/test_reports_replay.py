@@ -15,6 +15,13 @@ def test_autotts_table_report(data_root, tmp_path):
     s = json.loads((d / 'summary.json').read_text())
     assert s['cells'] == 12 and s['matching'] == 12
     assert '| Qwen3-4B' in (d / 'autotts_table.md').read_text()
+    assert (t.ci_low <= t.acc).all() and (t.acc <= t.ci_high).all()
+    # every method against SC@64, paired over the 30 questions: the differences are the table's, the p-values Holm-adjusted
+    p = pd.read_csv(d / 'paired_vs_sc64.csv')
+    assert len(p) == 10 and (p.questions == 30).all() and (p.p_holm >= p.p - 1e-12).all() and p.p_holm.between(0, 1).all()
+    acc = t.set_index(['model', 'method']).acc
+    for r in p.itertuples(): assert 100 * r.diff == pytest.approx(acc[(r.model, r.method)] - acc[(r.model, 'SC@64')], abs=0.01)
+    assert len(s['paired_vs_sc64']) == 10
 
 
 def test_autotts_scaling_report(data_root, tmp_path):

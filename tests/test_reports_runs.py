@@ -29,9 +29,13 @@ def _tmas_command() -> list[str]:
     return [sys.executable, '-m', 'tmas_nb.cli']
 
 
+# Recorded beside them but kept out of the reports: a sampling run on three problems, which `tmas compare` must refuse to pair.
+OTHER = {'sampling_3': ['--method', 'sampling', '--limit', '3', '--iterations', '1']}
+
+
 @pytest.fixture(scope='session')
-def recorded_runs(tmp_path_factory):
-    "Four real run folders (TMAS, TMAS without both memory banks, RSE, majority vote), recorded in parallel."
+def recorded_all(tmp_path_factory):
+    "Every real run folder of RUNS and OTHER, recorded in parallel."
     root = tmp_path_factory.mktemp('recorded_runs')
     cfg = root / 'hashing.json'
     cfg.write_text(json.dumps({'embedder': 'hashing'}))
@@ -40,10 +44,10 @@ def recorded_runs(tmp_path_factory):
     env = {**os.environ, 'HF_HUB_OFFLINE': '1', 'OMP_NUM_THREADS': '1', 'TOKENIZERS_PARALLELISM': 'false'}
     procs, t0 = {}, time.perf_counter()
     cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    for name, args in RUNS.items():
+    for name, args in {**RUNS, **OTHER}.items():
         args = [a.replace('{cfg_no_memory}', str(no_mem)) for a in args]
         if '--config' not in args: args += ['--config', str(cfg)]
-        cmd = _tmas_command() + ['run', *args, *TINY, '--out', str(root / name)]
+        cmd = _tmas_command() + ['run', *TINY, *args, '--out', str(root / name)]     # a run's own flags win over TINY's
         procs[name] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for name, p in procs.items():
         out, err = p.communicate(timeout=900)
@@ -51,7 +55,13 @@ def recorded_runs(tmp_path_factory):
     cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     print(f"recorded {len(procs)} runs in {time.perf_counter() - t0:.0f} s wall, "
           f"{cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime:.0f} s CPU")
-    return {name: root / name for name in RUNS}
+    return {name: root / name for name in procs}
+
+
+@pytest.fixture(scope='session')
+def recorded_runs(recorded_all):
+    "Four real run folders (TMAS, TMAS without both memory banks, RSE, majority vote) on the same two demo problems."
+    return {name: recorded_all[name] for name in RUNS}
 
 
 @pytest.fixture(scope='session')
@@ -101,12 +111,24 @@ def test_tmas_iterations_report(recorded_runs, summaries, tmp_path):
     assert paper.paper_grading.str.contains('LLM judge DeepSeek-V3.2').all()
     top = paper[(paper.benchmark == 'imo_answerbench') & (paper.label == 'tmas') & (paper.model == 'Qwen3-30B-A3B-Thinking-2507')]
     assert top.paper.tolist() == [22.06, 28.56, 36.5, 37.81, 39.31, 40.5]      # TMAS Table 1 in full: It1/3/9/11/17/19
+    # every Pass@1 with its interval over the two problems; the wide table's numbers are the intervals' centres
+    iv = pd.read_csv(d / 'pass_at_1_intervals.csv').set_index(['label', 'iteration'])
+    assert len(iv) == 8 and (iv.problems == 2).all() and (iv.pass_at_1_low <= iv.pass_at_1).all() and (iv.pass_at_1 <= iv.pass_at_1_high).all()
+    assert 100 * iv.loc[('tmas', 1), 'pass_at_1'] == pytest.approx(row.It1, abs=0.01)
+    assert 'best_candidate' in iv.columns
+    # TMAS against each baseline at the last iteration, paired over the problems, Holm across the table
+    pc = pd.read_csv(d / 'paired_comparisons.csv')
+    assert set(zip(pc.a, pc.b)) == {('tmas', 'tmas −both'), ('tmas', 'rse'), ('tmas', 'mv')} and (pc.problems == 2).all()
+    assert pc.p.between(0, 1).all() and (pc.p_holm >= pc.p - 1e-12).all()
+    assert s['comparisons'] and len(s['final_intervals']) == 4
 
 
 def test_tmas_ablation_report(recorded_runs, summaries, tmp_path):
     d = run_report('tmas_ablation', tmp_path, dict(runs=[str(p) for p in recorded_runs.values()]), progress=False)
     comp = pd.read_csv(d / 'components.csv')
-    assert set(comp.variant) == {'full', '−both'} and _finite(comp, ['final_pass_at_1', 'best_pass_at_1'])
+    assert set(comp.variant) == {'full', '−both'} and _finite(comp, ['final_pass_at_1', 'best_pass_at_1', 'final_pass_at_1_low', 'final_pass_at_1_high'])
+    both = comp.set_index('variant').loc['−both']                    # the arm against the full system, paired over the problems
+    assert both.arm == '−both (ε = 0.2)' and 0 < both.p <= both.p_holm <= 1 and math.isfinite(both['diff'])
     assert comp.set_index('variant').loc['−both', 'final_pass_at_1'] == pytest.approx(_final(summaries['tmas_no_memory']), abs=1e-6)
     missing = pd.read_csv(d / 'missing_runs.csv')
     assert set(missing.variant) == {'−experience', '−guideline'}
@@ -122,7 +144,7 @@ def test_verification_paradox_report(recorded_runs, tmp_path):
     d = run_report('verification_paradox', tmp_path, dict(runs=[str(p) for p in recorded_runs.values()]), progress=False)
     t = pd.read_csv(d / 'verification_paradox.csv')
     assert set(t.label) == {'tmas', 'tmas −both'}
-    assert sorted(t.iteration.astype(str).unique()) == ['0', '1', 'all']
+    assert sorted(t.iteration.astype(str).unique()) == ['0', '1', 'all'] and {'delta_low', 'delta_high'} <= set(t.columns)
     assert _finite(t, ['n_ever', 'n_never', 'scored_candidates', 'candidates']) and (t.candidates == 8).all()
     # the groups hold exactly the problems that have scores; Δ is a number whenever both groups are non-empty
     both = t[(t.n_ever > 0) & (t.n_never > 0)]
@@ -141,7 +163,10 @@ def test_rse_tables_report(recorded_runs, summaries, tmp_path):
     assert list(banks['round']) == [0, 1] and _finite(banks, ['n_pos', 'n_neg', 'n_items'])
     sig = pd.read_csv(d / 'significance.csv')
     assert len(sig) == 1 and sig.baseline[0] == 'mv' and _finite(sig, ['mean_a', 'mean_b', 'delta'])
-    assert 'at least 2' in sig.note[0]     # one seed each: no p-value, said plainly
+    assert 'at least 2' in sig.note[0]     # one seed each: no Welch p-value (the paper's test), said plainly
+    assert _finite(sig, ['diff', 'p', 'p_holm']) and sig.problems[0] == 2      # ours: paired over the problems, defined with one run a side
+    rounds = pd.read_csv(d / 'pass_at_1_by_round_intervals.csv')
+    assert len(rounds) == 4 and (rounds.pass_at_1_low <= rounds.pass_at_1).all()
     tau = pd.read_csv(d / 'pass_at_1_vs_tau.csv')
     assert _finite(tau, ['tau', 'final_pass_at_1'])
     arms = pd.read_csv(d / 'rse_arms.csv')                 # each RSE arm of the folders, with its settings
@@ -170,11 +195,26 @@ def controller_runs(tmp_path_factory):
     return {k: root / k for k in specs}
 
 
+def test_rl_training_report_figure3(recorded_runs, summaries, tmp_path):
+    "Figure 3 alone (no training metrics): TMAS runs as checkpoints, Pass@1 with intervals and each against the first, Holm across the table."
+    tmas_runs = {'no RL': str(recorded_runs['tmas_no_memory']), 'Vanilla-RL': str(recorded_runs['tmas']), 'Hybrid-RL': str(recorded_runs['tmas'])}
+    d = run_report('rl_training', tmp_path, dict(runs={}, tmas_runs=tmas_runs), progress=False)
+    curves = pd.read_csv(d / 'figure3_pass_at_1.csv')
+    assert list(curves.run.unique()) == ['no RL', 'Vanilla-RL', 'Hybrid-RL'] and (curves.problems == 2).all()
+    mine = curves[curves.run == 'Vanilla-RL'].pass_at_1.tolist()
+    assert mine == pytest.approx([i['pass_at_1'] for i in summaries['tmas']['iterations']])
+    paired = pd.read_csv(d / 'figure3_paired.csv')
+    assert len(paired) == 6 and set(zip(paired.a, paired.b)) == {('Vanilla-RL', 'no RL'), ('Hybrid-RL', 'no RL'), ('Hybrid-RL', 'Vanilla-RL')}
+    assert (paired[(paired.a == 'Hybrid-RL') & (paired.b == 'Vanilla-RL')]['diff'] == 0).all() and (paired.p_holm >= paired.p - 1e-12).all()
+    _png(d / 'figure3.png')
+
+
 def test_compute_report(recorded_runs, controller_runs, summaries, tmp_path):
     runs = [str(p) for p in [*recorded_runs.values(), *controller_runs.values()]]
     d = run_report('compute', tmp_path, dict(runs=runs), progress=False)
     c = pd.read_csv(d / 'compute.csv')
     assert len(c) == 6 and _finite(c, ['tokens_per_problem', 'pass_at_1']) and (c.tokens_per_problem > 0).all()
+    assert _finite(c, ['pass_at_1_low', 'pass_at_1_high']) and (c.pass_at_1_low <= c.pass_at_1 + 1e-9).all() and (c.pass_at_1 <= c.pass_at_1_high + 1e-9).all()
     assert c.pareto.any() and c.complete.all()
     per_run = pd.read_csv(d / 'compute_per_run.csv').set_index('label')
     tokens = sum(summaries['tmas']['tokens_by_role'].values())
@@ -193,3 +233,50 @@ def test_compute_report(recorded_runs, controller_runs, summaries, tmp_path):
     s = json.loads((d / 'summary.json').read_text())
     assert {x['label'] for x in s['controllers']} == {'controller sc:k=2', 'controller cmc:beta=0.5'}
     _png(d / 'compute_pareto.png')
+
+
+# ------------------------------------------------------------------ tmas compare on real runs
+
+def _compare(*argv, timeout=180):
+    return subprocess.run(_tmas_command() + ['compare', *map(str, argv)], capture_output=True, text=True, timeout=timeout)
+
+
+def test_compare_two_real_runs(recorded_runs, summaries, tmp_path):
+    "TMAS against TMAS without its memory banks, on the same two demo problems: every number checked against the run folders."
+    from tmas_nb.run_folder import best_candidates
+    a, b = recorded_runs['tmas_no_memory'], recorded_runs['tmas']
+    r = _compare(a, b, '--json', '--png', tmp_path / 'cmp.png')
+    assert r.returncode == 0, r.stderr
+    j = json.loads(r.stdout)
+    assert [x['name'] for x in j['runs']] == ['tmas_no_memory', 'tmas'] and j['reference'] == 'tmas_no_memory' and j['flags'] == []
+    assert [x['label'] for x in j['runs']] == ['tmas −both', 'tmas'] and j['problem_ids'] == ['demo-01', 'demo-02']
+    every = []
+    for it, sa, sb in zip(j['iterations'], summaries['tmas_no_memory']['iterations'], summaries['tmas']['iterations']):
+        pa, pb = it['pass_at_1']['tmas_no_memory'], it['pass_at_1']['tmas']
+        assert (pa['value'], pb['value']) == (pytest.approx(sa['pass_at_1']), pytest.approx(sb['pass_at_1']))   # = `tmas runs summary`
+        [c] = it['comparisons']
+        assert c['diff'] == pytest.approx(pb['value'] - pa['value']) and c['problems'] == 2
+        for x in (pa, pb): assert x['low'] is None or x['low'] <= x['value'] <= x['high']
+        assert 0 < c['p'] <= 1 and c['p'] <= c['p_holm'] <= 1
+        every.append(c)
+    assert len(j['iterations']) == 2
+    # the final answer: each run's best candidate at its last iteration, recomputed from records.parquet
+    for name, d in (('tmas_no_memory', a), ('tmas', b)):
+        best = best_candidates(pd.read_parquet(d / 'records.parquet'))
+        assert j['final_answer']['pass_at_1'][name]['value'] == pytest.approx(best[best.iteration == 1].correct.mean())
+    assert 'McNemar' in j['final_answer']['comparisons'][0]['test']
+    # tokens: every role's, from calls.parquet, equal to usage.json's total; the ratio is theirs
+    per = {n: json.loads((d / 'usage.json').read_text())['total']['completion_tokens'] / 2 for n, d in (('tmas_no_memory', a), ('tmas', b))}
+    t = {x['run']: x for x in j['tokens']}
+    assert t['tmas']['tokens_per_problem'] == pytest.approx(per['tmas']) and t['tmas']['counts'] == 'all roles'
+    assert t['tmas']['ratio'] == pytest.approx(per['tmas'] / per['tmas_no_memory'])
+    assert 'Holm-adjusted across the 3 comparisons' in j['notes']['tests']
+    assert (tmp_path / 'cmp.png').stat().st_size > 20_000
+    text = _compare(a, b)
+    assert text.returncode == 0 and 'p_holm (tmas)' in text.stdout and 'final answer' in text.stdout and 'BCa bootstrap interval over 2 problems' in text.stdout
+
+
+def test_compare_refuses_runs_on_other_problems(recorded_all):
+    r = _compare(recorded_all['tmas'], recorded_all['sampling_3'])
+    assert r.returncode == 2 and r.stdout == ''
+    assert r.stderr.count('\n') == 1 and r.stderr.startswith('tmas: error: cannot compare tmas and sampling_3: they ran different problems (2 and 3, 2 in common)'), r.stderr

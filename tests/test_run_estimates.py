@@ -64,6 +64,8 @@ def test_dry_run_matches_a_real_run(measured):
     assert wall / 3 <= est <= wall * 3, (est, wall, dry)
     assert 'ours float32' in dry and 'tmas engines calibrate' in dry      # the engine auto takes, and the one-line hint
     assert 'at most 48' in dry                                             # 6 samples x 8 tokens
+    # what the run can decide, before it is run (tmas_nb.stats.power_sentence): one problem decides nothing
+    assert '  power: 1 problem × 2 candidates: too few problems for a paired test' in dry
 
 
 def test_status_carries_the_progress_and_the_estimate(measured):

@@ -10,17 +10,20 @@ from typing import Iterable, Sequence
 
 import numpy as np
 import pandas as pd
-from scipy import stats
 
 from .runs import (Run, load_run, BANK_COLUMNS, TMAS_VARIANTS, tmas_variant, run_label, judge_columns,
                           grading_label, carry_forward, pass_at_1_by_iteration)
+from .run_folder import best_candidates
+from .core import read_untrusted_text, UntrustedFileError
+from .stats import (welch as _welch, significance_vs_baseline, problem_rates, pass_at_1_intervals, compare_paired,
+                           add_holm, group_difference)
 
 # %% auto #0
-__all__ = ['RunData', 'read_run', 'SMALL_MODELS', 'BENCHMARK_SIZES', 'PAPER_COLUMNS', 'ITEM_KINDS', 'expand_runs', 'read_runs',
-           'config_key', 'benchmark_name', 'is_small_setting', 'setting_note', 'tmas_run_command', 'pass_at_1_table',
-           'iteration_table', 'paper_comparison', 'total_completion_tokens', 'tokens_by_method', 'verification_paradox',
-           'unique_guidelines', 'bank_sizes', 'pareto_front', 'significance_vs_baseline', 'repeated_runs',
-           'display_names']
+__all__ = ['RunData', 'read_run', 'SMALL_MODELS', 'BENCHMARK_SIZES', 'TRAININGS', 'PAPER_COLUMNS', 'ITEM_KINDS', 'expand_runs',
+           'read_runs', 'config_key', 'benchmark_name', 'is_small_setting', 'backbone', 'protocol_name', 'setting_note',
+           'tmas_run_command', 'pass_at_1_table', 'iteration_table', 'rates_table', 'pool_runs', 'interval_table',
+           'paired_table', 'paper_comparison', 'total_completion_tokens', 'tokens_by_method', 'verification_paradox',
+           'unique_guidelines', 'bank_sizes', 'pareto_front', 'repeated_runs', 'display_names']
 
 # %% ../nbs/30_analysis.ipynb #d3def5f8
 RunData = Run
@@ -79,6 +82,37 @@ def is_small_setting(config: dict) -> dict:
     subset = config.get('limit') is not None or (full is not None and 0 < n < full)
     return {'small_model': small_model, 'subset': subset, 'problems': n, 'benchmark_size': full, 'model': config.get('model')}
 
+# %% ../nbs/30_analysis.ipynb #16589311
+TRAININGS = {'hybrid': 'Hybrid-RL', 'standard': 'Vanilla-RL'}
+"How the papers name the checkpoint of each `tmas rl train --reward`."
+
+def _training_of(model: str) -> tuple[str, str] | None:
+    "(base model, reward) of a `tmas rl train` checkpoint folder (OUT/model or OUT/checkpoints/checkpoint-N), else None."
+    p = Path(os.path.expanduser(model)) if model else None
+    if p is None or not p.is_dir(): return None
+    for d in (p.parent, p.parent.parent):
+        f = d / 'settings.json'
+        if not f.is_file(): continue
+        try: s = json.loads(read_untrusted_text(f, 1 << 20, 'training settings'))
+        except (UntrustedFileError, ValueError, OSError): return None
+        if isinstance(s, dict) and s.get('reward') in TRAININGS and isinstance(s.get('model'), str): return s['model'], s['reward']
+    return None
+
+def backbone(config: dict) -> str:
+    "The model of a run as the papers name backbones: 'Qwen3-4B-Thinking-2507', or '… + Hybrid-RL' / '… + Vanilla-RL' for a checkpoint of `tmas rl train`."
+    model = str(config.get('model') or '')
+    trained = _training_of(model)
+    if trained: return f"{backbone({'model': trained[0]})} + {TRAININGS[trained[1]]}"
+    return model.rstrip('/').split('/')[-1]
+
+# %% ../nbs/30_analysis.ipynb #26fb9f04
+def protocol_name(config: dict) -> str:
+    "The protocol a run followed: `config.json`'s `protocol` (a name, or an object with a name), else its preset, else 'none recorded'."
+    p = config.get('protocol')
+    if isinstance(p, dict): p = p.get('name') or p.get('protocol') or p.get('kind')
+    p = p or config.get('preset')
+    return str(p) if p else 'none recorded'
+
 # %% ../nbs/30_analysis.ipynb #26c46f79
 def setting_note(configs: Sequence[dict]) -> str:
     "One plain sentence per kind of caveat over a set of runs (empty when every run uses a full benchmark and a large model)."
@@ -127,38 +161,105 @@ def iteration_table(long: pd.DataFrame, value: str = 'pass_at_1', scale: float =
     w.columns = [f'It{int(i)}' for i in w.columns]
     return w
 
+# %% ../nbs/30_analysis.ipynb #407f153a
+def rates_table(runs: Sequence[RunData], judges: Sequence[str] | str | None = 'auto', best: bool = False) -> pd.DataFrame:
+    "Per run, iteration and problem: the share of correct candidates (`rate`), with run, label, method, benchmark, model (its backbone) and seed; `best`: of each iteration's best candidate only."
+    frames = []
+    for r in runs:
+        rec = best_candidates(r.records) if best else r.records
+        f = problem_rates(rec, judges)
+        for i, (k, v) in enumerate({'run': str(r.run_dir), 'label': r.label, 'method': r.method, 'benchmark': benchmark_name(r.config),
+                                    'model': backbone(r.config), 'seed': r.settings.get('seed')}.items()):
+            f.insert(i, k, v)
+        frames.append(f)
+    cols = ['run', 'label', 'method', 'benchmark', 'model', 'seed', 'iteration', 'problem_id', 'rate', 'candidates']
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=cols)
+
+# %% ../nbs/30_analysis.ipynb #7cac6c8c
+def pool_runs(rates: pd.DataFrame, keys: Sequence[str] = ('benchmark', 'model', 'label')) -> pd.DataFrame:
+    "`rates_table` rows with the runs of each `keys` group pooled within each problem: `rate` the mean over runs, `runs` how many."
+    keys = list(keys)
+    if len(rates) == 0: return pd.DataFrame(columns=[*keys, 'iteration', 'problem_id', 'rate', 'candidates', 'runs'])
+    g = rates.groupby([*keys, 'iteration', 'problem_id'], sort=True, dropna=False)
+    return g.agg(rate=('rate', 'mean'), candidates=('candidates', 'sum'), runs=('rate', 'size')).reset_index()
+
+# %% ../nbs/30_analysis.ipynb #d4aef9cd
+def interval_table(pooled: pd.DataFrame, keys: Sequence[str] = ('benchmark', 'model', 'label')) -> pd.DataFrame:
+    "Pass@1 per `keys` group and iteration with its 95 % bootstrap interval over problems (`pass_at_1`, `_low`, `_high`, `problems`, `runs`)."
+    keys = list(keys)
+    t = pass_at_1_intervals(pooled, by=[*keys, 'iteration'])
+    runs = pooled.groupby([*keys, 'iteration'], dropna=False)['runs'].max().rename('runs').reset_index() if 'runs' in pooled else None
+    return t.merge(runs, on=[*keys, 'iteration'], how='left') if runs is not None and len(t) else t
+
+# %% ../nbs/30_analysis.ipynb #f6d33b47
+def paired_table(pooled: pd.DataFrame, pairs: Sequence[tuple[str, str]], keys: Sequence[str] = ('benchmark', 'model'),
+                 iteration: str | int = 'last') -> pd.DataFrame:
+    "Each (a, b) pair of labels compared on the problems both have, within each `keys` group: at `iteration` ('last': each label's last iteration; 'each': every iteration both have); difference a − b, interval, p and Holm over the table."
+    keys, rows = list(keys), []
+    for gkey, g in pooled.groupby(keys, sort=False, dropna=False):
+        gkey = gkey if isinstance(gkey, tuple) else (gkey,)
+        for a, b in pairs:
+            A, B = g[g.label == a], g[g.label == b]
+            if not len(A) or not len(B): continue
+            its = ([(int(A.iteration.max()), int(B.iteration.max()))] if iteration == 'last' else
+                   [(i, i) for i in sorted(set(A.iteration) & set(B.iteration))] if iteration == 'each' else [(int(iteration), int(iteration))])
+            for ia, ib in its:
+                x = A[A.iteration == ia].set_index('problem_id').rate
+                y = B[B.iteration == ib].set_index('problem_id').rate
+                common = x.index.intersection(y.index)
+                if not len(common): continue
+                one = bool((A[A.iteration == ia].candidates == 1).all() and (B[B.iteration == ib].candidates == 1).all())
+                c = compare_paired(x[common].to_numpy(), y[common].to_numpy(), one_answer=one)
+                rows.append({**dict(zip(keys, gkey)), 'a': a, 'b': b, 'iteration_a': ia, 'iteration_b': ib, **c})
+    cols = [*keys, 'a', 'b', 'iteration_a', 'iteration_b', 'diff', 'diff_low', 'diff_high', 'p', 'problems', 'test']
+    return add_holm(pd.DataFrame(rows, columns=cols))
+
 # %% ../nbs/30_analysis.ipynb #793a350e
 PAPER_COLUMNS = ('source', 'benchmark', 'setting', 'problems', 'model', 'label', 'iteration', 'paper')
 "Columns of a table of published figures (`iteration` may be None for a value that is not per iteration)."
 
+def _model_key(m) -> str: return str(m).strip().rstrip('/').split('/')[-1].lower()
+
 def paper_comparison(paper: Sequence[dict] | pd.DataFrame, ours: pd.DataFrame, value: str = 'ours',
                      keys: Sequence[str] = ('benchmark', 'label', 'iteration')) -> pd.DataFrame:
-    "Published rows with our value on the same `keys` beside them, `diff` = ours − paper, and `setting_differs` in words."
-    p = pd.DataFrame(list(paper) if not isinstance(paper, pd.DataFrame) else paper)
+    "Published rows (and their other columns) with ours on the same `keys` and backbone beside them (runs of different models never averaged), `diff` = ours − paper, `setting_differs` in words."
+    p = pd.DataFrame(list(paper) if not isinstance(paper, pd.DataFrame) else paper).reset_index(drop=True)
     missing = [c for c in PAPER_COLUMNS if c not in p.columns]
     if missing: raise ValueError(f"published table: missing column(s) {missing}; each row needs {list(PAPER_COLUMNS)}")
     keys = list(keys)
     o = ours.copy()
     if len(o) == 0: o = pd.DataFrame(columns=[*keys, value, 'model', 'problems'])
     o = o.rename(columns={'model': 'our_model', 'problems': 'our_problems', value: 'ours'})
+    if 'our_problems' not in o: o['our_problems'] = np.nan
     for k in keys:
         if k == 'iteration':
             p[k] = p[k].astype('Int64'); o[k] = pd.to_numeric(o[k]).astype('Int64')
         else: p[k] = p[k].astype(str); o[k] = o[k].astype(str)
-    agg = {'ours': ('ours', 'mean'), 'our_model': ('our_model', lambda s: ', '.join(sorted(set(map(str, s))))),
-           'our_problems': ('our_problems', 'max')} if len(o) else None
-    o = o.groupby(keys, dropna=False).agg(**agg).reset_index() if agg else o[[*keys, 'ours', 'our_model', 'our_problems']]
-    m = p.merge(o, on=keys, how='left')
+    extra = [c for c in o.columns if c not in (*keys, 'ours', 'our_model', 'our_problems')]
+    agg = {'ours': ('ours', 'mean'), 'our_problems': ('our_problems', 'max'), **{c: (c, 'first') for c in extra}}
+    o = o.groupby([*keys, 'our_model'], dropna=False).agg(**agg).reset_index() if len(o) else o[[*keys, 'ours', 'our_model', 'our_problems', *extra]]
+    p['_row'], p['_mk'] = range(len(p)), p['model'].map(_model_key)
+    family = p.groupby(keys, dropna=False)['_mk'].agg(frozenset).rename('_paper_models').reset_index()
+    m = p.merge(o, on=keys, how='left').merge(family, on=keys, how='left')
+    # ours meets the row of its own backbone; a run on a model the paper did not use sits beside each row, named
+    mk = m['our_model'].map(_model_key)
+    keep = m['ours'].isna() | (mk == m['_mk']) | pd.Series([k not in s for k, s in zip(mk, m['_paper_models'])], index=m.index)
+    m = m[keep]
+    m = pd.concat([m, p[~p['_row'].isin(m['_row'])]], ignore_index=True).sort_values(['_row', 'our_model'], kind='stable', na_position='first')
     m['diff'] = (pd.to_numeric(m['ours']) - pd.to_numeric(m['paper'])).round(2)
     def differs(r):
         if pd.isna(r['ours']): return 'no run of ours on this benchmark'
         out = []
-        if str(r['our_model']).lower() != str(r['model']).lower(): out.append(f"model {r['our_model']} (paper: {r['model']})")
+        if _model_key(r['our_model']) != r['_mk']: out.append(f"model {r['our_model']} (paper: {r['model']})")
         if pd.notna(r['problems']) and pd.notna(r['our_problems']) and int(r['our_problems']) != int(r['problems']):
             out.append(f"{int(r['our_problems'])} problems (paper: {int(r['problems'])}, {r['setting']})")
+        if 'samples' in r and 'our_samples' in r and pd.notna(r['samples']) and pd.notna(r['our_samples']) and int(r['samples']) != int(r['our_samples']):
+            out.append(f"MV@{int(r['our_samples'])} (paper: MV@{int(r['samples'])})")
         return '; '.join(out) or 'same setting'
     m['setting_differs'] = [differs(r) for _, r in m.iterrows()]
-    return m[['source', 'benchmark', 'setting', 'label', 'iteration', 'model', 'paper', 'ours', 'diff', 'our_model', 'setting_differs']]
+    cols = ['source', 'benchmark', 'setting', 'label', 'iteration', 'model', 'paper', 'ours', 'diff', 'our_model', 'setting_differs']
+    theirs = [c for c in p.columns if c not in (*PAPER_COLUMNS, '_row', '_mk')]     # e.g. grading, tau, metric, p_value
+    return m[cols + theirs + [c for c in extra if c in m.columns]].reset_index(drop=True)
 
 # %% ../nbs/30_analysis.ipynb #ed8ab613
 def total_completion_tokens(run: RunData) -> int:
@@ -184,19 +285,9 @@ def tokens_by_method(runs: Sequence[RunData]) -> pd.DataFrame:
                      'best_pass_at_1': float(c.pass_at_1.max()) if len(c) else float('nan')})
     return pd.DataFrame(rows)
 
-# %% ../nbs/30_analysis.ipynb #eb1879ea
-def _welch(a: Sequence[float], b: Sequence[float]) -> tuple[float, float, str]:
-    a, b = np.asarray(a, float), np.asarray(b, float)
-    if len(a) < 2 or len(b) < 2:
-        return float('nan'), float('nan'), f"Welch test needs at least 2 values per group (have {len(a)} and {len(b)})"
-    if np.var(a, ddof=1) == 0 and np.var(b, ddof=1) == 0:
-        return float('nan'), float('nan'), "both groups have zero variance; the t-test is undefined"
-    t, p = stats.ttest_ind(a, b, equal_var=False)
-    return float(t), float(p), ''
-
 # %% ../nbs/30_analysis.ipynb #ad98db23
 def verification_paradox(records: pd.DataFrame) -> pd.DataFrame:
-    "Per iteration and over all iterations ('all'): mean verification score of ever- vs never-correct problems, Δ = never − ever, Welch t and p."
+    "Per iteration and over all iterations ('all'): mean verification score of ever- vs never-correct problems, Δ = never − ever with its 95 % bootstrap interval over problems, Welch t and p."
     ever = records.groupby('problem_id')['correct'].any()
     scored = records[records['mean_score'].notna()]
     rows = []
@@ -211,8 +302,9 @@ def verification_paradox(records: pd.DataFrame) -> pd.DataFrame:
         unscored = int(sel['problem_id'].nunique() - len(per_problem))
         if unscored: note = (note + '; ' if note else '') + f"{unscored} problem(s) without a parseable verification score left out"
         me, mn = (float(e.mean()) if len(e) else float('nan')), (float(n.mean()) if len(n) else float('nan'))
-        rows.append({'iteration': str(it), 'mean_ever': me, 'mean_never': mn, 'delta': mn - me,
-                     'n_ever': int(len(e)), 'n_never': int(len(n)), 't': t, 'p_value': p, 'note': note})
+        gd = group_difference(n.values, e.values)
+        rows.append({'iteration': str(it), 'mean_ever': me, 'mean_never': mn, 'delta': mn - me, 'delta_low': gd['diff_low'],
+                     'delta_high': gd['diff_high'], 'n_ever': int(len(e)), 'n_never': int(len(n)), 't': t, 'p_value': p, 'note': note})
     return pd.DataFrame(rows)
 
 # %% ../nbs/30_analysis.ipynb #aed356ca
@@ -258,17 +350,6 @@ def pareto_front(df: pd.DataFrame, x: str, y: str, minimize_x: bool = True, maxi
         dom = ok & (xs <= xs[i]) & (ys >= ys[i]) & ((xs < xs[i]) | (ys > ys[i]))
         keep.append(not dom.any())
     return pd.Series(keep, index=df.index, name='pareto')
-
-# %% ../nbs/30_analysis.ipynb #b715183a
-def significance_vs_baseline(values_a: Sequence[float], values_b: Sequence[float]) -> dict:
-    "Mean ± std (ddof=1) of repeated runs of a method (a) and a baseline (b), the difference, Welch's t and p-value."
-    a = np.asarray([v for v in values_a if v is not None and np.isfinite(v)], float)
-    b = np.asarray([v for v in values_b if v is not None and np.isfinite(v)], float)
-    sd = lambda v: float(np.std(v, ddof=1)) if len(v) > 1 else float('nan')
-    mean = lambda v: float(np.mean(v)) if len(v) else float('nan')
-    t, p, note = _welch(a, b)
-    return {'mean_a': mean(a), 'std_a': sd(a), 'n_a': int(len(a)), 'mean_b': mean(b), 'std_b': sd(b), 'n_b': int(len(b)),
-            'delta': mean(a) - mean(b), 't': t, 'p_value': p, 'note': note}
 
 # %% ../nbs/30_analysis.ipynb #a8128297
 def repeated_runs(runs: Sequence[RunData], ignore: Sequence[str] = ('seed',)) -> dict[str, list[RunData]]:

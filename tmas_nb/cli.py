@@ -74,6 +74,12 @@ COMMANDS = {   # command: (module:function that adds its flags, help, descriptio
                     'Write the run viewer (every candidate with its reviews and summary, the banks with what each iteration added, '
                     'kept and dropped, Pass@1 by iteration) as one HTML file that needs no server or network. Open it at '
                     '#problem=ID&iteration=K&candidate=C (K counts from 0: It0 is the first iteration).'),
+    'compare': ('tmas_nb.compare:compare_cli', 'runs side by side: Pass@1 per iteration with intervals, paired differences with p, tokens',
+                'Read two or more run folders (no model) and set them side by side: Pass@1 per iteration with 95 % intervals over '
+                'problems, each run\'s paired difference from the first with its interval and p (Holm across the table), the '
+                'final answer (best candidate), tokens per problem and their ratio. Runs on other problems or graded '
+                'differently are refused; other protocols, models or budgets are flagged. --json prints one object, --png '
+                'writes the figure.'),
     'report': ('tmas_nb.reporting:report_cli', 'regenerate a report notebook (papermill) into an output folder',
                'Run reports/NAME.ipynb (or all of them) with papermill; outputs go to OUT/NAME/.'),
     'rl data': ('tmas_nb.rl:data_cli', 'training rows (Parquet) from finished TMAS runs, or the toy task',

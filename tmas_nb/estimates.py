@@ -11,11 +11,12 @@ from .llm.core import Request, run_sync
 from .llm.engines import (CPU_ENGINES, ENGINE_NAMES, SOLVE_PROMPT, choose_engine, default_threads, engine_llm,
                                  read_calibration, run_width, throughput_at)
 from .llm.models import default_device
+from .stats import power_sentence
 
 # %% auto #0
 __all__ = ['TOKEN_SHARE', 'PROMPT_BASE', 'README_SPEEDS', 'PREFILL_RATIO', 'iteration_phases', 'n_iterations', 'planned_calls',
-           'expected_tokens', 'prompt_tokens', 'split_speeds', 'quick_speed', 'RunEstimate', 'phase_seconds',
-           'speed_of', 'estimate_run', 'fmt_seconds', 'estimate_lines', 'calibration_hint']
+           'expected_tokens', 'prompt_tokens', 'split_speeds', 'quick_speed', 'candidates_compared', 'RunEstimate',
+           'phase_seconds', 'speed_of', 'estimate_run', 'fmt_seconds', 'estimate_lines', 'calibration_hint']
 
 # %% ../nbs/24d_estimates.ipynb #d688af1c
 def iteration_phases(method: str, config, iteration: int) -> list[tuple[str, int, int, bool]]:
@@ -110,6 +111,11 @@ def quick_speed(model: str = 'default', engine: str = 'transformers', threads: i
     ref = README_SPEEDS[engine]
     return {**{w: round(one * v / ref[1], 2) for w, v in ref.items()}, 'prefill': round(prefill, 1)}, round(load, 2)
 
+# %% ../nbs/24d_estimates.ipynb #ef89ab08
+def candidates_compared(method: str, config) -> int:
+    "Answers per problem that a comparison of this run's Pass@1 averages: N candidates, one for a vote or a controller."
+    return 1 if method in ('mv', 'controller') else max(1, int(getattr(config, 'n_candidates', 1) or 1))
+
 # %% ../nbs/24d_estimates.ipynb #4a29011d
 @dataclass
 class RunEstimate:
@@ -123,6 +129,7 @@ class RunEstimate:
     speed_source: str = ''
     tokens_per_s: dict = field(default_factory=dict)   # width -> tokens/s used
     load_s: float = 0.0
+    detectable: str = ''            # the difference in Pass@1 the run can detect (tmas_nb.stats.power_sentence)
     def to_dict(self) -> dict: return asdict(self)
 
 # %% ../nbs/24d_estimates.ipynb #ec9f98a4
@@ -152,13 +159,13 @@ def speed_of(model: str, engine: str, threads: int | None, measure: bool = False
 
 # %% ../nbs/24d_estimates.ipynb #00c1f5b7
 def estimate_run(method: str, config, n_problems: int, concurrency: int = 4, model: str = 'default', backend: str = 'auto',
-                 threads: int | None = None, measure: bool = False) -> RunEstimate:
-    "The `RunEstimate` of a run; `measure` times the model for a few seconds when this machine has no calibration."
+                 threads: int | None = None, measure: bool = False, rates=None) -> RunEstimate:
+    "The `RunEstimate` of a run; `measure` times the model for a few seconds when this machine has no calibration; `rates`: per-problem success rates, when known, for the detectable difference."
     roles = planned_calls(method, config, n_problems)
     for role, d in roles.items():
         d['tokens_max'] = d['samples'] * d['max_new_tokens']
         d['tokens_expected'] = round(d['samples'] * expected_tokens(role, d['max_new_tokens']))
-    est = RunEstimate(method, n_problems, roles)
+    est = RunEstimate(method, n_problems, roles, detectable=power_sentence(n_problems, candidates_compared(method, config), rates))
     if backend in ('openai', 'given'):
         est.engine, est.speed_source = backend, "the speed of a server or of a model object is not known here"; return est
     if backend == 'auto':
@@ -180,13 +187,14 @@ def fmt_seconds(s: float | None) -> str:
 
 # %% ../nbs/24d_estimates.ipynb #0e12097b
 def estimate_lines(e: RunEstimate) -> list[str]:
-    "The estimate as lines of text: calls and samples per role, tokens, wall time, engine."
+    "The estimate as lines of text: calls and samples per role, tokens, the difference it can detect, wall time, engine."
     out = [f"estimate: {e.method} on {e.problems} problem{'s' if e.problems != 1 else ''}"]
     for role, d in e.roles.items():
         extra = f" (up to {d['calls_max']} with retries)" if d['calls_max'] != d['calls'] else ''
         out.append(f"  {role:<13} {d['calls']:>5} calls{extra}, {d['samples']:>5} samples of at most {d['max_new_tokens']} tokens")
     mx, ex = sum(d['tokens_max'] for d in e.roles.values()), sum(d['tokens_expected'] for d in e.roles.values())
     out.append(f"  completion tokens: at most {mx:,}, expected about {ex:,}")
+    if e.detectable: out.append(f"  power: {e.detectable}")
     widths, prefill = split_speeds(e.tokens_per_s) if e.tokens_per_s else ({}, 0.0)
     speed = ', '.join(f"{v:.1f} at {w}" for w, v in sorted(widths.items())) + (f" in flight, prompts {prefill:.0f}" if widths else '')
     out.append(f"  wall time: about {fmt_seconds(e.wall_s)}" + (f" on {ENGINE_NAMES.get(e.engine, e.engine)} ({speed} tokens/s, from {e.speed_source})" if speed else f" ({e.speed_source})"))

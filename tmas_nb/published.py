@@ -4,13 +4,19 @@
 
 # %% ../nbs/26_published.ipynb #8c981018
 from __future__ import annotations
+import math
+from typing import Sequence
+
 import pandas as pd
 
-from .analysis import PAPER_COLUMNS, paper_comparison
+from .analysis import PAPER_COLUMNS, paper_comparison, backbone, benchmark_name, protocol_name
+from .run_folder import best_candidates, grading_label, judge_columns
+from .reporting import stats_table
+from .stats import interval_note, pass_at_1_intervals, pooled_rates, problem_rates
 
 # %% auto #0
 __all__ = ['Q30', 'Q4', 'TMAS_GRADING', 'RSE_GRADING', 'TMAS_LABELS', 'TMAS_TABLE1_ITERATIONS', 'TMAS_TABLE1', 'RSE_BENCH',
-           'RSE_TABLE1', 'published', 'grading_kind', 'beside_ours']
+           'RSE_TABLE1', 'SHOWN', 'published', 'grading_kind', 'beside_ours', 'ours_for_paper', 'comparison_text']
 
 # %% ../nbs/26_published.ipynb #916f8927
 Q30, Q4 = 'Qwen3-30B-A3B-Thinking-2507', 'Qwen3-4B-Thinking-2507'
@@ -52,7 +58,7 @@ def _tmas_table1() -> list[dict]:
             for b, vals in zip(benches, per_bench):
                 its = [None] if name.startswith('MV') else TMAS_TABLE1_ITERATIONS
                 rows += [dict(source='TMAS Table 1', **b, model=m, label=TMAS_LABELS[name], iteration=i, paper=v,
-                              grading=TMAS_GRADING) for i, v in zip(its, vals)]
+                              grading=TMAS_GRADING, **({'samples': 64} if name.startswith('MV') else {})) for i, v in zip(its, vals)]
     return rows
 
 # %% ../nbs/26_published.ipynb #c06d34a9
@@ -81,8 +87,8 @@ def _rse_row(table: str, benchmark: str, label: str, iteration, value, model: st
 
 def _rse_tables() -> list[dict]:
     "RSE Tables 1-4, 9, 10 and 20 as rows (ablations on Qwen3-30B-A3B-Thinking-2507)."
-    rows = [_rse_row('1', b, l, None if l == 'mv' else i, v, m) for m, d in RSE_TABLE1.items() for l, per in d.items()
-            for b, vals in zip(RSE_BENCH, per) for i, v in enumerate(vals)]
+    rows = [_rse_row('1', b, l, None if l == 'mv' else i, v, m, **({'samples': 128} if l == 'mv' else {}))
+            for m, d in RSE_TABLE1.items() for l, per in d.items() for b, vals in zip(RSE_BENCH, per) for i, v in enumerate(vals)]
     rows += [_rse_row('2', b, l, None, v) for b, d in {'livecodebench_v6': dict(sampling=61.19, **{'self-refine': 64.13}, pacore=60.26, mv=64.63, rse=68.55),
              'gpqa_diamond': dict(sampling=69.17, **{'self-refine': 70.77}, pacore=69.91, mv=70.72, rse=72.67),
              'travelplanner': dict(sampling=0.76, **{'self-refine': 28.12}, pacore=0.00, rse=34.44)}.items() for l, v in d.items()]
@@ -133,17 +139,75 @@ def grading_kind(grading: str | None) -> str:
 
 def beside_ours(paper: pd.DataFrame, ours: pd.DataFrame, our_grading: str | dict = 'rule-based grader', value: str = 'ours',
                 keys=('benchmark', 'label', 'iteration')) -> pd.DataFrame:
-    "Published rows with ours beside them: difference, backbone and grading of each side, and 'comparable' or 'not comparable: why'."
-    m = paper_comparison(paper, ours, value=value, keys=keys)
-    m['paper_grading'] = list(paper['grading']) if 'grading' in paper else ''   # a left merge keeps the published rows in order
-    for extra in ('tau', 'metric'):
-        if extra in paper: m[extra] = list(paper[extra])
-    m['our_grading'] = [None if pd.isna(r.ours) else (our_grading.get(r.label, 'rule-based grader') if isinstance(our_grading, dict) else our_grading)
-                        for r in m.itertuples()]
+    "Published rows with ours beside them: difference, backbone, grading and protocol of each side, whether the paper lies in our interval, and 'comparable' or 'not comparable: why'."
+    m = paper_comparison(paper, ours, value=value, keys=keys).rename(columns={'grading': 'paper_grading'})
+    if 'paper_grading' not in m: m['paper_grading'] = ''
+    given = m['our_grading'] if 'our_grading' in m else pd.Series([None] * len(m), index=m.index)
+    fallback = lambda label: our_grading.get(label, 'rule-based grader') if isinstance(our_grading, dict) else our_grading
+    m['our_grading'] = [None if pd.isna(r.ours) else (g if isinstance(g, str) else fallback(r.label)) for r, g in zip(m.itertuples(), given)]
+    if 'ours_low' in m:
+        m['paper_in_interval'] = [None if pd.isna(lo) or pd.isna(hi) else bool(lo <= p <= hi) for p, lo, hi in zip(m.paper, m.ours_low, m.ours_high)]
     def verdict(r):
         if pd.isna(r.ours): return 'no run of ours'
         why = [] if r.setting_differs == 'same setting' else [r.setting_differs]
-        if grading_kind(r.paper_grading) != grading_kind(r.our_grading): why.append(f"graded by {r.our_grading} (paper: {r.paper_grading})")
+        ours_k, paper_k = grading_kind(r.our_grading), grading_kind(r.paper_grading)
+        if ours_k == 'rule' and paper_k == 'judge': why.append(f"rule-graded (paper: {r.paper_grading}; `tmas judge` grades ours the same way)")
+        elif ours_k != paper_k: why.append(f"judge-graded (paper: {r.paper_grading})")
+        if str(getattr(r, 'our_protocol', '')) == 'custom': why.append('protocol custom (settings that differ from the paper preset)')
         return 'comparable' if not why else 'not comparable: ' + '; '.join(why)
     m['comparable'] = [verdict(r) for r in m.itertuples()]
     return m
+
+# %% ../nbs/26_published.ipynb #d7ff1d1e
+def _grading_of(run, judges) -> str:
+    return grading_label(run.judge) if (judges == 'auto' and judge_columns(run.records)) or judges not in (None, 'auto') else 'rule-based grader'
+
+def _interval_rows(rates: pd.DataFrame, **fields) -> list[dict]:
+    "Rows of ours (percent) with their intervals from per-problem rates."
+    t = pass_at_1_intervals(rates)
+    return [dict(**fields, iteration=int(r.iteration), ours=100 * r.pass_at_1, ours_low=100 * r.pass_at_1_low,
+                 ours_high=100 * r.pass_at_1_high, problems=int(r.problems)) for r in t.itertuples()]
+
+def _final_rows(method: str, label: str, rs: list, judges, rates: pd.DataFrame, common: dict) -> list[dict]:
+    "The records the papers' numbers without an iteration correspond to: the vote, the best candidate at the last iteration, the base's Pass@1."
+    last = int(rates.iteration.max()) if len(rates) else 0
+    if method == 'mv': sel, lab, rec = rates[rates.iteration == last], label, 'the vote'
+    elif method == 'sampling': sel, lab, rec = rates[rates.iteration == 0], label, 'Pass@1 at It0'
+    elif method == 'tmas':
+        best = pooled_rates([problem_rates(best_candidates(r.records), judges) for r in rs])
+        sel, lab, rec = best[best.iteration == best.iteration.max()] if len(best) else best, f'{label} (final)', 'best candidate at the last iteration'
+    else: return []
+    if not len(sel): return []
+    extra = {'our_samples': int(rs[0].settings.get('n_candidates') or 0) or None} if method == 'mv' else {}
+    return [{**r, 'iteration': None, 'our_record': rec, **extra} for r in _interval_rows(sel.assign(iteration=0), **common, label=lab)]
+
+def ours_for_paper(runs: Sequence, judges='auto') -> pd.DataFrame:
+    "Our runs as rows beside the published ones: per benchmark, backbone, label and iteration, Pass@1 % with its 95 % interval (seeds pooled within problems), plus the vote / best-candidate / base rows the papers give without an iteration."
+    groups: dict = {}
+    for r in runs: groups.setdefault((benchmark_name(r.config), backbone(r.config), r.label), []).append(r)
+    rows = []
+    for (bench, model, label), rs in groups.items():
+        rates = pooled_rates([problem_rates(r.records, judges) for r in rs])
+        protocols = sorted({protocol_name(r.config) for r in rs})
+        common = dict(benchmark=bench, model=model, our_runs=len(rs), our_grading=_grading_of(rs[0], judges),
+                      our_protocol='custom' if 'custom' in protocols else ', '.join(protocols))
+        rows += [{**r, 'our_record': 'Pass@1'} for r in _interval_rows(rates, **common, label=label)]
+        rows += _final_rows(rs[0].method, label, rs, judges, rates, common)
+    cols = ['benchmark', 'model', 'label', 'iteration', 'ours', 'ours_low', 'ours_high', 'problems', 'our_runs', 'our_grading',
+            'our_protocol', 'our_record', 'our_samples']
+    out = pd.DataFrame(rows, columns=cols)
+    out['iteration'] = out['iteration'].astype('Int64')
+    return out
+
+# %% ../nbs/26_published.ipynb #f0716173
+SHOWN = ['source', 'benchmark', 'label', 'iteration', 'model', 'paper', 'ours', 'ours_low', 'ours_high', 'diff', 'our_model',
+         'paper_in_interval', 'comparable']
+
+def comparison_text(m: pd.DataFrame, what: str = 'Pass@1 %') -> str:
+    "The rows of a `beside_ours` table that have ours (else the published rows), as the reports print them, with a caption."
+    mine = m[m.ours.notna()]
+    if not len(mine):
+        return stats_table(m[[c for c in ('source', 'benchmark', 'setting', 'label', 'iteration', 'model', 'paper') if c in m]],
+                           caption=f"No run of ours meets these published {what} numbers (benchmark, label, iteration and backbone).")
+    return stats_table(mine[[c for c in SHOWN if c in mine]], digits=2,
+                       caption=f"{what}; ours [95 % CI]: {interval_note()}. paper_in_interval: the published number lies inside our interval.")

@@ -13,13 +13,17 @@ import numpy as np
 import pandas as pd
 from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 
+import seaborn as sns
+
 from .cli import UserError, error_message
 from .core import repo_root, find_data_dir, DATA_HINT
+from .stats import bootstrap_interval
 
 # %% auto #0
 __all__ = ['PATH_PARAMETERS', 'REPORT_INPUTS', 'FIGURE_DPI', 'STYLE', 'reports_dir', 'list_reports', 'resolve_paths',
            'report_kernel', 'run_report', 'report_defaults', 'missing_input', 'report_cli', 'use_style', 'figure_style',
-           'save_figure', 'iteration_ticks', 'interval_label', 'runs_curve', 'plain_ticks', 'footnote']
+           'save_figure', 'iteration_ticks', 'interval_label', 'format_p', 'stats_table', 'interval_curves',
+           'json_rows', 'runs_curve', 'plain_ticks', 'footnote']
 
 # %% ../nbs/90_reporting.ipynb #55f9aab8
 def reports_dir() -> Path:
@@ -259,6 +263,58 @@ def interval_label(name: str, value, low=None, high=None, p=None, fmt: str = '.1
         s += f' [{float(low):{fmt}}, {float(high):{fmt}}]' if _finite(low) and _finite(high) else f' (interval: {missing})'
     if p is not None: s += f', p = {float(p):.3g}' if _finite(p) else f' (p: {missing})'
     return s
+
+# %% ../nbs/90_reporting.ipynb #3c43f022
+def format_p(p) -> str:
+    "A p-value for a table: '< 0.001', three significant digits, or '–' where there is none."
+    if not _finite(p): return '–'
+    return '< 0.001' if float(p) < 0.001 else f'{float(p):.3g}'
+
+def _is_p(col: str) -> bool: return col in ('p', 'p_value') or col.startswith('p_') or col.endswith('_p')
+
+def _number(v, scale: float, digits: int, signed: bool) -> str:
+    if not _finite(v): return '–'
+    x = round(float(v) * scale, digits) + 0.0          # + 0.0: no '-0.0' for a value that rounds to zero
+    return f"{x:{'+' if signed else ''}.{digits}f}"
+
+def stats_table(frame: pd.DataFrame, caption: str = '', percent: tuple = (), digits: int = 1) -> str:
+    "Markdown of `frame` with `X [low, high]` for every `X` that has `X_low`/`X_high`, `percent` columns ×100, differences signed, p-values formatted, and `caption` below."
+    out, used = {}, set()
+    for c in frame.columns:
+        if c in used: continue
+        scale, signed = (100.0 if c in percent else 1.0), str(c).startswith('diff') or str(c) == 'delta'
+        lo, hi = f'{c}_low', f'{c}_high'
+        if lo in frame.columns and hi in frame.columns:
+            used |= {lo, hi}
+            out[f'{c} [95 % CI]'] = [_number(v, scale, digits, signed) + (f' [{_number(l, scale, digits, signed)}, {_number(h, scale, digits, signed)}]'
+                                     if _finite(l) and _finite(h) else (' (no interval)' if _finite(v) else ''))
+                                     for v, l, h in zip(frame[c], frame[lo], frame[hi])]
+        elif _is_p(str(c)): out[c] = [format_p(v) for v in frame[c]]
+        elif pd.api.types.is_float_dtype(frame[c]): out[c] = [_number(v, scale, digits, signed) for v in frame[c]]
+        else: out[c] = ['–' if v is None or (isinstance(v, float) and math.isnan(v)) else v for v in frame[c]]
+    text = pd.DataFrame(out).to_markdown(index=False) if len(frame) else '(no rows)'
+    return text + (f'\n\n{caption}' if caption else '')
+
+# %% ../nbs/90_reporting.ipynb #d31b520f
+def interval_curves(ax, rates: pd.DataFrame, x: str = 'iteration', y: str = 'rate', hue: str = 'label', scale: float = 100.0, **kw):
+    "Seaborn lines of the mean of `y` (one row per problem) over `x`, one per `hue`, each with its 95 % bootstrap band over problems."
+    d = rates.assign(_y=pd.to_numeric(rates[y]) * scale)
+    n = d[hue].nunique()
+    colors = matplotlib.rcParams['axes.prop_cycle'].by_key()['color']
+    sns.lineplot(data=d, x=x, y='_y', hue=hue, errorbar=bootstrap_interval, marker='o', ax=ax,
+                 palette=(colors * (n // len(colors) + 1))[:n], **kw)
+    ax.set_ylabel('')
+    return ax
+
+# %% ../nbs/90_reporting.ipynb #5890556b
+def json_rows(frame: pd.DataFrame, columns: list | None = None) -> list[dict]:
+    "Rows of `frame` (or of its `columns`) as dicts for JSON: numpy numbers as Python numbers, NaN and NA as None."
+    f = frame[list(columns)] if columns is not None else frame
+    def plain(v):
+        if v is None or (isinstance(v, float) and math.isnan(v)) or v is pd.NA: return None
+        if isinstance(v, np.generic): v = v.item()
+        return None if isinstance(v, float) and math.isnan(v) else v
+    return [{k: plain(v) for k, v in r.items()} for r in f.to_dict('records')]
 
 # %% ../nbs/90_reporting.ipynb #c6c47c15
 def runs_curve(ax, frame: pd.DataFrame, x: str, y: str, label: str, **kw):
