@@ -18,8 +18,9 @@ transformers = lazy_import('transformers')
 __all__ = ['torch', 'transformers', 'CONFIG_DIR', 'TINY', 'CHAT_TOKENS', 'CHAT_TEMPLATE', 'FULL', 'SMALL', 'PARITY_LIMITS',
            'ENGINES', 'PARTS', 'VERSIONED', 'ENGINE_LABELS', 'architecture', 'chat_tokenizer', 'random_prompts',
            'sharpen', 'random_model', 'CheckSizes', 'exact_float32', 'prompt_logits', 'compare_logits', 'greedy_ids',
-           'first_difference', 'parity_ok', 'parity', 'PeakMemory', 'engine_speed', 'probe_path', 'speed', 'grpo_step',
-           'versions', 'run_device_check', 'report_table', 'write_report', 'device_check_command']
+           'first_difference', 'parity_ok', 'parity', 'PeakMemory', 'engine_speed', 'crop_check', 'crop_ok',
+           'probe_path', 'speed', 'grpo_step', 'versions', 'run_device_check', 'report_table', 'write_report',
+           'device_check_command']
 
 # %% ../nbs/19a_device_check.ipynb #ba2f5f03
 CONFIG_DIR = repo_root() / 'configs' / 'device_check'
@@ -236,7 +237,28 @@ def engine_speed(model, tok, engine: str, sizes: CheckSizes = FULL, seed: int = 
     return {'engine': engine, 'ran_on': ran, 'sequences': sum(len(cs) for cs in out), 'tokens': tokens, 'wall_s': round(wall, 3),
             'tokens_per_s': round(tokens / wall, 1), **mem.reading, 'fallbacks': falls}
 
-# %% ../nbs/19a_device_check.ipynb #a5e673a9
+# %% ../nbs/19a_device_check.ipynb #aa55c834
+def crop_check(live, question: str) -> dict:
+    "The next token's logits after a probe against the same step without it, and the cache length before and after the probe."
+    from tmas_nb.replay.build import _forward, branch_picker, branch_seeds, decode_rows, probe_batch, prompt_ids, start_rows
+    s, m = live.s, live.model
+    with torch.inference_mode():
+        rows = start_rows(m, prompt_ids(live.tok, question, s), list(range(s.branches)), live.dev)
+        decode_rows(m, rows, branch_picker(s, branch_seeds(s.seed, 0, s.branches)), s.probe_every, live.ends, {b: [] for b in rows.branches})
+        if not rows.branches: return {'skipped': 'every branch ended before the probe'}
+        plain, before = copy.deepcopy(rows.cache), rows.cache.get_seq_length()
+        probe_batch(m, live.tok, rows.cache, rows.mask, live.suffix_ids, s.probe_tokens, s.probe_suffix)
+        after = rows.cache.get_seq_length()
+        nxt, mask = rows.logits.argmax(-1)[:, None], torch.cat([rows.mask, rows.mask.new_ones((rows.mask.shape[0], 1))], dim=1)
+        pos = mask.sum(-1, keepdim=True) - 1
+        want, got = (_forward(m, nxt, mask, pos, c).logits[:, -1].float().cpu() for c in (plain, rows.cache))
+    return {'cache_length': before, 'after_probe': after, **compare_logits(want, got)}
+
+def crop_ok(c: dict) -> bool:
+    "Whether a `crop_check` found the cache as it was (same length, logits within float32 rounding of the spread)."
+    return 'skipped' in c or (c['after_probe'] == c['cache_length'] and _within(c['max_rel'], PARITY_LIMITS['float32_max_rel']))
+
+# %% ../nbs/19a_device_check.ipynb #598ca333
 def probe_path(model, tok, sizes: CheckSizes = FULL, seed: int = 0) -> dict:
     "The live loop with probes every `probe_every` tokens against the same branches read whole: time, tokens, calls, equality."
     from tmas_nb.data import demo_problems
@@ -259,10 +281,11 @@ def probe_path(model, tok, sizes: CheckSizes = FULL, seed: int = 0) -> dict:
                      'tokens_per_s': round((u['tokens_generated'] + u['probe_tokens']) / wall, 1), **mem.reading}
         gen[name] = {b: list(g) for b, g in env.gen.items()}
     out['branches_equal'] = sum(gen['probed'].get(b) == gen['whole'].get(b) for b in range(B))
+    out['crop'] = crop_check(live, question)
     out['probed_over_whole_time'] = round(out['probed']['wall_s'] / out['whole']['wall_s'], 3)
     return out
 
-# %% ../nbs/19a_device_check.ipynb #17e8ed2b
+# %% ../nbs/19a_device_check.ipynb #d317ba63
 def _error(e: BaseException) -> dict: return {'error': f'{type(e).__name__}: {e}'[:1000], 'traceback': traceback.format_exc()[-3000:]}
 
 def speed(device: str, sizes: CheckSizes = FULL, seed: int = 0) -> dict:
@@ -289,10 +312,10 @@ def speed(device: str, sizes: CheckSizes = FULL, seed: int = 0) -> dict:
     if ours.get('tokens_per_s') and gen.get('tokens_per_s'): out['ours_over_generate'] = round(ours['tokens_per_s'] / gen['tokens_per_s'], 3)
     pp = out['probe_path']
     out['ok'] = bool(all('error' not in v and not v['fallbacks'] for v in out['engines'].values())
-                     and 'error' not in pp and pp['branches_equal'] == pp['branches'])
+                     and 'error' not in pp and pp['branches_equal'] == pp['branches'] and crop_ok(pp['crop']))
     return out
 
-# %% ../nbs/19a_device_check.ipynb #c8664ac8
+# %% ../nbs/19a_device_check.ipynb #9fcab5b7
 def grpo_step(device: str, sizes: CheckSizes = FULL, seed: int = 0) -> dict:
     "One GRPO step through TRL on a tiny random policy with the hybrid reward: rewards per objective, loss, gradient, weight change."
     from tmas_nb.rl import TrainSettings, train
@@ -318,7 +341,7 @@ def grpo_step(device: str, sizes: CheckSizes = FULL, seed: int = 0) -> dict:
             'ok': bool(steps == 1 and moved > 0 and math.isfinite(metrics.get('loss', float('nan')))
                        and all(metrics.get(f'rows/{o}', 0) > 0 for o in ('standard', 'exp_util', 'novelty')))}
 
-# %% ../nbs/19a_device_check.ipynb #16ca1f16
+# %% ../nbs/19a_device_check.ipynb #1985bafc
 PARTS = {'parity': parity, 'speed': speed, 'grpo': grpo_step}
 VERSIONED = ('torch', 'transformers', 'accelerate', 'trl', 'datasets', 'tokenizers', 'safetensors', 'numpy')
 
@@ -330,7 +353,7 @@ def versions() -> dict:
         except importlib.metadata.PackageNotFoundError: out[n] = None
     return out
 
-# %% ../nbs/19a_device_check.ipynb #72202b49
+# %% ../nbs/19a_device_check.ipynb #864c949b
 def run_device_check(device: str | None = None, sizes: CheckSizes | None = None, parts=tuple(PARTS), seed: int = 0,
                      progress: bool = True) -> dict:
     "Every part of the check on `device` (default: CUDA when available), at `sizes` (default: FULL on a GPU, SMALL on a CPU)."
@@ -363,7 +386,7 @@ def run_device_check(device: str | None = None, sizes: CheckSizes | None = None,
     report['ok'] = all(report[p]['ok'] for p in parts)
     return report
 
-# %% ../nbs/19a_device_check.ipynb #62b97a25
+# %% ../nbs/19a_device_check.ipynb #77270007
 def _g(v, fmt='.3g'): return '-' if v is None else format(v, fmt) if isinstance(v, float) else str(v)
 
 def _diff(d) -> str: return 'identical' if d is None else f'differ from row {d[0]}, token {d[1]}'
@@ -374,7 +397,7 @@ def _engine_cell(e: dict) -> str:
     fell = f"; fell back to {e['ran_on']}: {e['fallbacks'][0][:150]}" if e['fallbacks'] else ''
     return f"{e['tokens_per_s']} tokens/s ({e['tokens']} tokens in {e['wall_s']} s){mem}{fell}"
 
-# %% ../nbs/19a_device_check.ipynb #07840354
+# %% ../nbs/19a_device_check.ipynb #c3b9650e
 def _parity_rows(p: dict) -> list:
     L, g = PARITY_LIMITS, p['greedy']
     ok = lambda c: 'ok' if c else 'FAILED'
@@ -386,7 +409,7 @@ def _parity_rows(p: dict) -> list:
             ('parity', 'bf16 logits vs float32 CPU: mean gap / spread', _g(bf['mean_rel']), f"<= {L['bfloat16_mean_rel']}", ok(_within(bf['mean_rel'], L['bfloat16_mean_rel']))),
             ('parity', 'bf16 logits vs float32 CPU: same top token', _g(bf['top1_agree']), f">= {L['bfloat16_top1']}", ok(bf['top1_agree'] >= L['bfloat16_top1']))]
 
-# %% ../nbs/19a_device_check.ipynb #45765a2a
+# %% ../nbs/19a_device_check.ipynb #50a26468
 ENGINE_LABELS = {'ours': 'our engine (batched loop, seeded)', 'generate': 'model.generate (seeded)', 'continuous': 'continuous batching (unseeded)'}
 
 def _speed_rows(s: dict) -> list:
@@ -401,11 +424,15 @@ def _speed_rows(s: dict) -> list:
         mem = f", peak {r['peak_gib']} GiB" if 'peak_gib' in r else ''
         rows.append(('probe path', what, f"{r['tokens_per_s']} tokens/s ({r['tokens']} + {r['probe_tokens']} probe tokens in {r['wall_s']} s, "
                      f"{r['decode_calls']} decode and {r['probe_calls']} probe calls{mem})", '', ''))
-    rows.append(('probe path', 'branches the same with and without probes (the crop leaves nothing behind)',
-                 f"{pp['branches_equal']} of {pp['branches']}", 'all', 'ok' if pp['branches_equal'] == pp['branches'] else 'FAILED'))
+    rows.append(('probe path', 'branches the same with and without probes', f"{pp['branches_equal']} of {pp['branches']}", 'all',
+                 'ok' if pp['branches_equal'] == pp['branches'] else 'FAILED'))
+    c = pp['crop']
+    rows.append(('probe path', 'a probe leaves the KV cache as it was: its length, then the next logits gap / spread',
+                 c['skipped'] if 'skipped' in c else f"{c['cache_length']} -> {c['after_probe']}, {_g(c['max_rel'])}",
+                 f"same length, <= {PARITY_LIMITS['float32_max_rel']}", 'ok' if crop_ok(c) else 'FAILED'))
     return rows
 
-# %% ../nbs/19a_device_check.ipynb #bfefb742
+# %% ../nbs/19a_device_check.ipynb #5bdbe794
 def _grpo_rows(r: dict) -> list:
     m = r['metrics']
     rewards = ', '.join(f"{o} {_g(m.get(f'reward/{o}'))} ({int(m.get(f'rows/{o}', 0))} rows)" for o in ('standard', 'exp_util', 'novelty'))
@@ -413,7 +440,7 @@ def _grpo_rows(r: dict) -> list:
              f"{r['wall_s']} s; rewards {rewards}; loss {_g(m.get('loss'))}, grad norm {_g(m.get('grad_norm'))}, "
              f"largest weight change {_g(r['largest_weight_change'])}", 'a step that moves the weights', 'ok' if r['ok'] else 'FAILED')]
 
-# %% ../nbs/19a_device_check.ipynb #b3737293
+# %% ../nbs/19a_device_check.ipynb #8e553d4a
 def report_table(r: dict) -> str:
     "The device check's report as Markdown: a line on the device and versions, then one table."
     d, v = r['device'], r['versions']
@@ -431,7 +458,7 @@ def report_table(r: dict) -> str:
     lines = ['| part | measure | value | limit | ok |', '|---|---|---|---|---|'] + ['| ' + ' | '.join(cell(x) for x in row) + ' |' for row in rows]
     return head + '\n\n' + '\n'.join(lines) + '\n'
 
-# %% ../nbs/19a_device_check.ipynb #86dc7b4d
+# %% ../nbs/19a_device_check.ipynb #8389d9f4
 def write_report(r: dict, out) -> tuple[Path, Path]:
     "device_check.json and device_check.md in folder `out`."
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
