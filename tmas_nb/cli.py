@@ -100,7 +100,7 @@ COMMANDS = {   # command: (module:function that adds its flags, help, descriptio
               'Ask a judge model whether each candidate of a finished run gives the reference answer, R times per '
               'candidate, and write correct_judge0..R-1 into records.parquet. Calls are cached in the run folder, so an '
               'interrupted judging resumes.'),
-    'doctor': ('tmas_nb.doctor:doctor_cli', 'check the device, the engine choice, seeds, throughput and a short generation',
+    'doctor': ('tmas_nb.device_check:device_check_cli', 'check the device, the engine choice, seeds, throughput and a short generation',
                'Load a model as a run would and check the machine: CUDA, GPU memory and bf16, which engine runs seeded and '
                'greedy requests, that seeded requests give the same samples alone and batched, tokens per second, and one '
                'short answer. With --device-check, the prepared GPU check instead: models with random weights built from '

@@ -134,9 +134,6 @@ def format_report(r: dict) -> str:
 # %% ../nbs/19_doctor.ipynb #b85cc313
 def _cmd_doctor(args) -> int:
     os.environ.setdefault('HF_HUB_OFFLINE', '1')
-    if getattr(args, 'device_check', False):
-        from .device_check import device_check_command
-        return device_check_command(args)
     if args.batch < 1 or args.max_new_tokens < 1:
         raise ValueError(f"--batch and --max-new-tokens must be >= 1, got {args.batch} and {args.max_new_tokens}")
     r = run_doctor(args.model, device=args.device, engine=args.decode, batch=args.batch, max_new_tokens=args.max_new_tokens)
@@ -154,8 +151,4 @@ def doctor_cli(p) -> None:
     p.add_argument('--batch', type=int, default=8, help='requests in the throughput batch')
     p.add_argument('--max-new-tokens', dest='max_new_tokens', type=int, default=32, help='tokens per request in the throughput batch')
     p.add_argument('--json', action='store_true', help='print one JSON object')
-    p.add_argument('--device-check', dest='device_check', action='store_true',
-                   help='instead: the prepared GPU check (random-weight Qwen3 models: CPU/GPU parity, engine speed, probe path, '
-                        'a GRPO step; tiny sizes with --device cpu), see tmas_nb.device_check')
-    p.add_argument('--out', default=None, help='with --device-check: the folder for device_check.json and device_check.md (default device_check)')
     p.set_defaults(func=_cmd_doctor)
