@@ -330,8 +330,8 @@ def within(fn, seconds: float):
     if t.is_alive(): return None, {'error': f'TimeoutError: did not finish in {seconds} s (left running)', 'stalled': True}
     return box.get('value'), box.get('error')
 
-# %% ../nbs/19a_device_check.ipynb #886c2f35
-CONTINUOUS_LIMIT_S = 240
+# %% ../nbs/19a_device_check.ipynb #4b299a1c
+CONTINUOUS_LIMIT_S = 180
 
 def continuous_batching(device: str, sizes: CheckSizes = FULL, seed: int = 0, limit_s: float = CONTINUOUS_LIMIT_S) -> dict:
     "Transformers' continuous batching on the TMAS-shaped batch at the 4B architecture (unseeded), within `limit_s` seconds."
