@@ -54,10 +54,11 @@ FLAGS = {
     '--stateless': ('an authors\'-API class keeps no state between questions', {'discover', 'replay eval', 'replay grid'}),
     '--no-sandbox': ('run without the sandbox (trusted code only)', {'discover', 'replay eval', 'replay grid', 'replay show'}),
     # output (tmas_nb.settings.OutputSettings)
-    '--out': ('where the results go: a folder or a file', {'data hard-subset', 'discover', 'replay build', 'replay grid',
+    '--out': ('where the results go: a folder or a file', {'data hard-subset', 'discover', 'doctor', 'replay build', 'replay grid',
                                                           'report', 'rl data', 'rl teacher', 'rl train', 'run', 'gateway'}),
     '--quiet': ('no progress bar', {'data fetch', 'data hard-subset', 'discover', 'engines build-llama', 'engines calibrate',
                                     'judge', 'replay build', 'replay eval', 'replay grid', 'report', 'rl teacher', 'rl train', 'run'}),
+    '--device-check': ('the prepared GPU check instead of the usual one', {'doctor'}),
     '--json': ('print one JSON object', {'compare', 'data list', 'doctor', 'grade', 'replay eval', 'runs summary'}),
     '--html': ('write an HTML file', {'runs export'}),
     # data

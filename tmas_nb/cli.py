@@ -119,10 +119,12 @@ COMMANDS = {   # command: (module:function that adds its flags, help, descriptio
                     'Sign every entry of a call cache (a file, or the calls.sqlite and judge_calls.sqlite of a run folder) with '
                     "this machine's key. Entries not signed here (another machine's, edited ones, ones written before entries "
                     'were signed) are otherwise asked again.'),
-    'doctor': ('tmas_nb.doctor:doctor_cli', 'check the device, the engine choice, seeds, throughput and a short generation',
+    'doctor': ('tmas_nb.device_check:device_check_cli', 'check the device, the engine choice, seeds, throughput and a short generation',
                'Load a model as a run would and check the machine: CUDA, GPU memory and bf16, which engine runs seeded and '
                'greedy requests, that seeded requests give the same samples alone and batched, tokens per second, and one '
-               'short answer.'),
+               'short answer. With --device-check, the prepared GPU check instead: models with random weights built from '
+               'configs/device_check/, CPU/GPU parity, our engine against model.generate, the live probe path and one '
+               'GRPO step, at tiny sizes on a CPU.'),
 }
 
 
