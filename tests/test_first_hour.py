@@ -132,10 +132,14 @@ def test_stdout_holds_only_the_output_on_a_machine_with_no_converted_model(tmp_p
 # ---- papercuts --------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize('k', ['0', '-1'])
-def test_a_limit_below_one_is_refused(k):
+def test_a_limit_below_one_is_refused(k, tmp_path):
     r = tmas('run', '--method', 'tmas', '--benchmark', 'demo', '--limit', k, '--print-config')
     line = one_error(r)
     assert line == f"tmas run: error: argument --limit: must be >= 1, got {k} (`tmas run --help` lists them)", line
+    assert f'argument --limit: must be >= 1, got {k}' in one_error(tmas('data', 'hard-subset', '--benchmark', 'demo', '--limit', k,
+                                                                       '--out', tmp_path / 'ids.txt'))
+    assert f'--limit must be >= 1, got {k}' in one_error(tmas('rl', 'teacher', '--limit', k, '--out', tmp_path / 't'))
+    assert not (tmp_path / 'ids.txt').exists() and not (tmp_path / 't').exists()
 
 
 def test_a_misspelled_flag_is_one_line_with_the_closest_one():

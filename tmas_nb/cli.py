@@ -11,7 +11,7 @@ from .settings import CommandHelp
 
 # %% auto #0
 __all__ = ['GROUPS', 'COMMANDS', 'EXPECTED', 'build_parser', 'command_named', 'did_you_mean', 'TmasParser', 'UserError',
-           'error_message', 'error_dir', 'save_traceback', 'run_command', 'main']
+           'error_message', 'error_dir', 'save_traceback', 'run_command', 'main', 'leave_now']
 
 # %% ../nbs/99_cli.ipynb #b1ee5884
 GROUPS = {
@@ -256,9 +256,21 @@ def run_command(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     "Run the `tmas` command line; returns the exit status."
+    console = argv is None                                      # the `tmas` script or `python -m tmas_nb.cli`
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(command_named(argv)).parse_args(argv)   # one command's module, not all of them: start-up in ~1 s
-    return run_command(args)
+    rc = run_command(args)
+    if rc == 130 and console: leave_now(rc)
+    return rc
+
+def leave_now(rc: int) -> None:
+    "After Ctrl-C: exit with `rc` at once when a thread still works (a model loading); the interpreter would wait for it at exit."
+    import threading
+    if not any(t is not threading.main_thread() and t.is_alive() for t in threading.enumerate()): return
+    for f in (sys.stdout, sys.stderr):
+        try: f.flush()
+        except (OSError, ValueError): pass
+    os._exit(rc)
 
 # %% ../nbs/99_cli.ipynb #a84035fd
 if __name__ == '__main__' and '__file__' in globals(): sys.exit(main())

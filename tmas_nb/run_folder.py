@@ -456,7 +456,8 @@ def load_run(run_dir) -> Run:
         return Run(run_dir, cfg, records_frame(records), banks_frame(banks), {'by_role': usage_by_role}, status, judge, events,
                    running=running)
     if status.get('failed'):   # stopped by an error before any problem was checkpointed
-        raise FileNotFoundError(f"{run_dir}: failed: {status['failed']}; nothing was kept. Fix that and rerun the same "
+        from tmas_nb.core import terminal_safe   # the reason may quote a server's reply
+        raise FileNotFoundError(f"{run_dir}: failed: {terminal_safe(status['failed'])}; nothing was kept. Fix that and rerun the same "
                                 f"`tmas run ... --out {run_dir}` command, or remove this folder.")
     raise FileNotFoundError(f"{run_dir}: missing {', '.join(missing)}; the run has not finished. Rerun the same "
                             f"`tmas run ... --out {run_dir}` command to finish it (it resumes), or leave this folder out.")
