@@ -175,6 +175,15 @@ def test_imo_answerbench_is_one_benchmark_under_either_spelling(data_root):
     assert 'imo_answerbench' in names and 'imo-answerbench' not in names
 
 
+def test_a_reader_that_stops_early_is_not_an_error():
+    "`tmas data list | head -2`: stdout closed before the command writes is not `tmas: error: connection failed: Broken pipe`."
+    p = subprocess.Popen([sys.executable, '-m', 'tmas_nb.cli', 'data', 'list'], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, cwd=REPO)
+    p.stdout.close()                                   # the reader is gone before the command starts writing
+    err = p.stderr.read(); p.wait(timeout=120)
+    assert (p.returncode, err) == (0, ''), err
+
+
 def test_the_no_sandbox_help_says_what_the_flag_does():
     text = ' '.join(tmas('replay', 'eval', '--help').stdout.split())
     assert '--no-sandbox run the file outside the sandbox, for trusted files only' in text, text

@@ -246,6 +246,10 @@ def run_command(args) -> int:
     try: return int(args.func(args) or 0)
     except KeyboardInterrupt as e:   # a run says how much it kept (`runs.RunInterrupted`)
         print(f'tmas: {e}' if str(e) else 'tmas: interrupted', file=sys.stderr, flush=True); return 130
+    except BrokenPipeError:          # the reader of stdout stopped early (`tmas data list | head`): not an error
+        try: os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError): pass   # not a real file (a test's buffer)
+        return 0
     except Exception as e:
         msg = error_message(e)
         if msg is not None:
