@@ -78,6 +78,7 @@ FLAGS = {
     # methods and runs
     '--method': ('the method', {'run'}), '--preset': ("a paper's settings", {'discover', 'run', 'gateway'}),
     '--print-config': ('print the resolved configuration and exit', {'run'}),
+    '--yes': ('start a run on this CPU whose estimate exceeds an hour', {'run'}),
     '--role-endpoint': ("one agent role's own server and model", {'run', 'gateway'}),
     '--config': ('a JSON file of settings (or a preset name)', {'rl train', 'run'}),
     '--n-candidates': ('N', {'rl teacher', 'run'}), '--n-verifications': ('M', {'rl teacher', 'run'}),

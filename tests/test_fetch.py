@@ -58,7 +58,7 @@ def test_clean_fetch_then_refetch_downloads_nothing(mirror, data_root, tmp_path)
     with Server(mirror, tmp_path / 'log') as s:
         res = fetch(['all'], dest, s.url, downloader=QUIET)
         assert res == {'autotts': {f.path: 'downloaded' for f in REGISTRY['autotts'].files},
-                       'imo-answerbench': {'benchmarks/imo_answerbench_v2.csv': 'downloaded'},
+                       'imo_answerbench': {'benchmarks/imo_answerbench_v2.csv': 'downloaded'},
                        'hle_math_100': {'benchmarks/hle_math_100.jsonl': 'downloaded'}}
         assert len(s.requests()) == 14
         assert s.requests()[-1].split()[1] == '/WangXinglin/RSE/d36f7e1/data/HLE_MATH_text_100_sample_subset.jsonl'
@@ -70,7 +70,7 @@ def test_clean_fetch_then_refetch_downloads_nothing(mirror, data_root, tmp_path)
         assert {v for files in again.values() for v in files.values()} == {'present'}
         assert len(s.requests()) == 14                      # nothing asked of the server
     status = {r['name']: r['status'] for r in list_datasets(dest)}
-    assert status == {'autotts': 'verified', 'imo-answerbench': 'verified', 'hmmt24': 'missing', 'hmmt25': 'missing',
+    assert status == {'autotts': 'verified', 'imo_answerbench': 'verified', 'hmmt24': 'missing', 'hmmt25': 'missing',
                       'hle_math_100': 'verified', 'autotts-reference': 'missing', 'autotts-history': 'missing'}
 
 
@@ -91,7 +91,7 @@ def test_corrupted_file_is_refused_and_nothing_is_left(data_root, tmp_path, caps
 
 def test_server_killed_mid_download_then_next_fetch_completes(mirror, tmp_path):
     dest, log = tmp_path / 'data', tmp_path / 'log'
-    f = REGISTRY['imo-answerbench'].files[0]
+    f = REGISTRY['imo_answerbench'].files[0]
     part = dest / (f.path + '.part')
     with Server(mirror, log, die_after=60_000) as s:
         with pytest.raises(DataFetchError, match='the next run resumes from byte'):
@@ -101,8 +101,8 @@ def test_server_killed_mid_download_then_next_fetch_completes(mirror, tmp_path):
     assert not (dest / f.path).exists() and 0 < part.stat().st_size <= 60_000
     got = part.stat().st_size
     with Server(mirror, log, port=s.port) as s2:                # the same address, back up
-        assert fetch(['imo-answerbench'], dest, s2.url, downloader=QUIET) == {'imo-answerbench': {f.path: 'downloaded'}}
-        assert s2.requests()[-1] == f'GET /google-deepmind/superhuman/{REGISTRY["imo-answerbench"].source.commit}/{f.source_path} bytes={got}-'
+        assert fetch(['imo-answerbench'], dest, s2.url, downloader=QUIET) == {'imo_answerbench': {f.path: 'downloaded'}}
+        assert s2.requests()[-1] == f'GET /google-deepmind/superhuman/{REGISTRY["imo_answerbench"].source.commit}/{f.source_path} bytes={got}-'
     assert sha256_file(dest / f.path) == f.sha256 and not part.exists()
 
 
@@ -156,7 +156,7 @@ def test_fresh_machine_fetch_then_main_job(mirror, data_root, tmp_path, monkeypa
     assert main(['data', 'list', '--json']) == 0
     rows = {r['name']: r for r in json.loads(capsys.readouterr().out)}
     assert rows['autotts']['status'] == 'verified' and rows['autotts']['data_dir'] == str(home)
-    assert rows['imo-answerbench']['licence'] == 'CC-BY 4.0' and 'never redistributed' in rows['autotts']['licence']
+    assert rows['imo_answerbench']['licence'] == 'CC-BY 4.0' and 'never redistributed' in rows['autotts']['licence']
     # the data folder exists now; a store missing from it is still reported with the command that provides it
     (home / 'autotts_replay' / 'Qwen3-8B' / 'hmmt25.json').unlink()
     assert main(['replay', 'eval', '--model', 'Qwen3-8B', '--benchmark', 'hmmt25', '--controller', 'sc:k=8']) == 2
@@ -174,10 +174,10 @@ def test_mirror_command_served_by_plain_http_server(data_root, tmp_path, capsys)
         for _ in range(100):
             try: socket.create_connection(('127.0.0.1', port), timeout=0.1).close(); break
             except OSError: time.sleep(0.05)
-        f = REGISTRY['imo-answerbench'].files[0]
+        f = REGISTRY['imo_answerbench'].files[0]
         part = tmp_path / 'data' / (f.path + '.part'); part.parent.mkdir(parents=True)
         part.write_bytes((data_root / f.path).read_bytes()[:1000])      # a partial file this server cannot resume
-        assert fetch(['imo-answerbench'], tmp_path / 'data', f'http://127.0.0.1:{port}', downloader=QUIET) == {'imo-answerbench': {f.path: 'downloaded'}}
+        assert fetch(['imo-answerbench'], tmp_path / 'data', f'http://127.0.0.1:{port}', downloader=QUIET) == {'imo_answerbench': {f.path: 'downloaded'}}
         assert sha256_file(tmp_path / 'data' / f.path) == f.sha256 and not part.exists()
     finally:
         srv.kill(); srv.wait()

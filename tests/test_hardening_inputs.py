@@ -233,7 +233,7 @@ def test_fetch_of_a_shorter_file_is_refused_at_once_keeping_nothing(data_root, t
     [link] = make_mirror(mirror, ['imo-answerbench'], data_root)
     body = link.read_bytes(); link.unlink()
     link.write_bytes(body[:len(body) // 3])                   # a truncated copy
-    f = REGISTRY['imo-answerbench'].files[0]
+    f = REGISTRY['imo_answerbench'].files[0]
     dest = tmp_path / 'data'
     extra = ['--no-length'] if framing == 'connection-close' else []
     t0 = time.time()

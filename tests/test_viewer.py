@@ -91,6 +91,8 @@ def test_the_browser_shows_the_selected_candidates_review_and_no_model_text_runs
     assert dom.count('<script') == 2 and '<img' not in dom           # the hostile texts made no element
     assert html.escape(HOSTILE, quote=False) in candidate_part(dom, 0)
     assert '>demo-01 · It1<' in dom
+    total = sum(d['completion_tokens'] for d in real_run.usage['by_role'].values())
+    assert total > 0 and f'{total:,} completion tokens (' in dom     # the header gives the run's token count
     page_text = re.sub(r'<script.*?</script>', '', dom, flags=re.S)
     assert not re.search(r'>\s*(null|undefined)\s*<', page_text)   # no value drawn as the word null
 

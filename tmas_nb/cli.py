@@ -11,8 +11,8 @@ from .core import terminal_safe
 from .settings import CommandHelp
 
 # %% auto #0
-__all__ = ['GROUPS', 'COMMANDS', 'EXPECTED', 'build_parser', 'command_named', 'UserError', 'error_message', 'error_dir',
-           'save_traceback', 'run_command', 'main']
+__all__ = ['GROUPS', 'COMMANDS', 'EXPECTED', 'build_parser', 'command_named', 'did_you_mean', 'TmasParser', 'UserError',
+           'error_message', 'error_dir', 'save_traceback', 'run_command', 'main', 'leave_now']
 
 # %% ../nbs/99_cli.ipynb #b1ee5884
 GROUPS = {
@@ -101,7 +101,8 @@ COMMANDS = {   # command: (module:function that adds its flags, help, descriptio
                  'accuracy is selected and evaluated on the held-out stores beside the baselines. Rerun the same command to resume.'),
     'data fetch': ('tmas_nb.fetch:fetch_cli', 'download data sets, pinned and verified (`tmas data list` shows them)',
                    'Download data sets into the user data folder (or --dest), verify each file against its pinned sha256 '
-                   'and rename it into place. NAME: autotts, imo-answerbench, hmmt24, hmmt25, autotts-reference, all.'),
+                   'and rename it into place. NAME: autotts, imo_answerbench, hmmt24, hmmt25, hle_math_100, autotts-reference, '
+                   'autotts-history, all (- and _ are interchangeable).'),
     'data list': ('tmas_nb.fetch:list_cli', 'the data sets: source, licence, size, and whether they are present and verified', None),
     'data mirror': ('tmas_nb.fetch:mirror_cli', 'lay out local data as a mirror (<owner>/<repo>/<commit>/<path>) for --mirror',
                     'Lay out the verified files of a data folder as <OUT>/<owner>/<repo>/<commit>/<path> (symlinks unless '
@@ -136,7 +137,7 @@ def _flags_of(target: str):
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     "The `tmas` argument parser, from `GROUPS` and `COMMANDS`; with `only`, just that command gets its flags (and imports its module)."
-    p = argparse.ArgumentParser(prog='tmas', description='Test-time scaling research: TMAS, RSE and the AutoTTS replay environment.')
+    p = TmasParser(prog='tmas', description='Test-time scaling research: TMAS, RSE and the AutoTTS replay environment.')
     top = p.add_subparsers(dest='command', metavar='COMMAND'); top.required = True
     groups = {}
     for name in [*GROUPS, *COMMANDS]:
@@ -158,6 +159,39 @@ def command_named(argv: list[str]) -> str | None:
         if len(words) >= k and ' '.join(words[:k]) in COMMANDS: return ' '.join(words[:k])
     return None
 
+
+# %% ../nbs/99_cli.ipynb #11b2f4ee
+def did_you_mean(message: str, parser: argparse.ArgumentParser) -> str:
+    "'; did you mean --limit?' for an argparse `message` about a misspelled flag of `parser` or a misspelled choice; else ''."
+    import difflib, re
+    if message.startswith('unrecognized arguments:'):
+        flags = [s for a in parser._actions if a.help is not argparse.SUPPRESS for s in a.option_strings]
+        guesses = [g for t in message.split(':', 1)[1].split() if t.startswith('-')
+                   for g in difflib.get_close_matches(t.split('=')[0], flags, n=1, cutoff=0.6)]
+        return f"; did you mean {' '.join(dict.fromkeys(guesses))}?" if guesses else ''
+    m = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+    if m:
+        close = difflib.get_close_matches(m.group(1), re.findall(r"'([^']*)'", m.group(2)), n=1, cutoff=0.6)
+        return f"; did you mean {close[0]!r}?" if close else ''
+    return ''
+
+def _command_parser(parser: argparse.ArgumentParser, words: list[str]) -> argparse.ArgumentParser:
+    "The (sub)command parser that the command words in `words` lead to from `parser`."
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for i, w in enumerate(words):
+                if w in a.choices: return _command_parser(a.choices[w], words[i + 1:])
+    return parser
+
+class TmasParser(argparse.ArgumentParser):
+    "argparse's parser, but an error is one line: the message, the closest flag or command, and where `--help` is."
+    def parse_known_args(self, args=None, namespace=None):
+        self._words = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message):
+        cmd = _command_parser(self, getattr(self, '_words', []))
+        self.exit(2, f"{cmd.prog}: error: {message}{did_you_mean(message, cmd)} (`{cmd.prog} --help` lists them)\n")
 
 # %% ../nbs/99_cli.ipynb #fa5184f8
 class UserError(Exception):
@@ -228,8 +262,12 @@ def save_traceback(e: BaseException) -> Path:
 def run_command(args) -> int:
     "Run the parsed subcommand `args.func(args)`; expected errors exit 2 with one line, bugs exit 1 with a saved traceback."
     try: return int(args.func(args) or 0)
-    except KeyboardInterrupt:
-        print('tmas: interrupted', file=sys.stderr); return 130
+    except KeyboardInterrupt as e:   # a run says how much it kept (`runs.RunInterrupted`)
+        print(f'tmas: {e}' if str(e) else 'tmas: interrupted', file=sys.stderr, flush=True); return 130
+    except BrokenPipeError:          # the reader of stdout stopped early (`tmas data list | head`): not an error
+        try: os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError): pass   # not a real file (a test's buffer)
+        return 0
     except Exception as e:
         msg = error_message(e)
         if msg is not None:
@@ -240,9 +278,21 @@ def run_command(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     "Run the `tmas` command line; returns the exit status."
+    console = argv is None                                      # the `tmas` script or `python -m tmas_nb.cli`
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(command_named(argv)).parse_args(argv)   # one command's module, not all of them: start-up in ~1 s
-    return run_command(args)
+    rc = run_command(args)
+    if rc == 130 and console: leave_now(rc)
+    return rc
+
+def leave_now(rc: int) -> None:
+    "After Ctrl-C: exit with `rc` at once when a thread still works (a model loading); the interpreter would wait for it at exit."
+    import threading
+    if not any(t is not threading.main_thread() and t.is_alive() for t in threading.enumerate()): return
+    for f in (sys.stdout, sys.stderr):
+        try: f.flush()
+        except (OSError, ValueError): pass
+    os._exit(rc)
 
 # %% ../nbs/99_cli.ipynb #a84035fd
 if __name__ == '__main__' and '__file__' in globals(): sys.exit(main())

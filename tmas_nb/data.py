@@ -14,8 +14,8 @@ from .grading import clean_answer
 # %% auto #0
 __all__ = ['IMO_COLUMNS', 'JSONL_BENCHMARKS', 'JSONL_ID_FIELDS', 'DEMO_PROBLEMS', 'BENCHMARKS', 'SOLVE_PROMPT', 'Problem',
            'ProblemFileError', 'load_problems', 'load_imo_answerbench', 'load_jsonl_problems', 'load_hmmt',
-           'demo_problems', 'load_benchmark', 'first_k', 'stratified', 'hard_subset', 'write_problem_ids',
-           'read_problem_ids', 'select_problems', 'pick_subset']
+           'demo_problems', 'benchmark_name', 'load_benchmark', 'first_k', 'stratified', 'hard_subset',
+           'write_problem_ids', 'read_problem_ids', 'select_problems', 'pick_subset']
 
 # %% ../nbs/17_data.ipynb #94cb3c9a
 @dataclass(frozen=True)
@@ -169,9 +169,14 @@ def demo_problems() -> list[Problem]:
 # %% ../nbs/17_data.ipynb #d5128b5b
 BENCHMARKS = ('demo', 'imo_answerbench') + JSONL_BENCHMARKS
 
+def benchmark_name(name: str) -> str:
+    "The canonical spelling of a named benchmark written with '-' for '_' ('imo-answerbench' -> 'imo_answerbench'); anything else unchanged."
+    alt = str(name).replace('-', '_')
+    return alt if alt in BENCHMARKS else str(name)
+
 def load_benchmark(name_or_path, data_dir=None) -> list[Problem]:
-    "Problems of a named benchmark (see `BENCHMARKS`) or of a benchmark file."
-    name = str(name_or_path)
+    "Problems of a named benchmark (see `BENCHMARKS`, either spelling) or of a benchmark file."
+    name = benchmark_name(name_or_path)
     if name == 'demo': return demo_problems()
     if name == 'imo_answerbench': return load_imo_answerbench(_data_dir(data_dir) / 'benchmarks' / 'imo_answerbench_v2.csv')
     if name in JSONL_BENCHMARKS: return load_hmmt(name, data_dir=data_dir)

@@ -14,7 +14,7 @@ from .settings import deprecated_alias
 
 # %% auto #0
 __all__ = ['RAW_BASE', 'AUTOTTS', 'SUPERHUMAN', 'RSE_RELEASE', 'AUTOTTS_HISTORY', 'REGISTRY', 'Source', 'DataFile', 'Dataset',
-           'resolve_names', 'file_state', 'DataFetchError', 'ChecksumError', 'Downloader', 'find_local',
+           'dataset_key', 'resolve_names', 'file_state', 'DataFetchError', 'ChecksumError', 'Downloader', 'find_local',
            'copy_verified', 'make_mirror', 'fetch', 'fetch_command', 'list_datasets', 'dataset_of', 'fetch_hint',
            'fetch_cli', 'list_cli', 'mirror_cli']
 
@@ -126,7 +126,7 @@ REGISTRY: dict[str, Dataset] = {d.name: d for d in [
             tuple(DataFile(f'autotts_replay/{m}/{d}.json', n, h, f'efficient_reasoning_controller/test_environment/{m}/{d}.json')
                   for (m, d), (n, h) in _AUTOTTS_STORES.items()),
             AUTOTTS),
-    Dataset('imo-answerbench', 'IMO-AnswerBench v2 (400 problems with short answers)', 'CC-BY 4.0',
+    Dataset('imo_answerbench', 'IMO-AnswerBench v2 (400 problems with short answers)', 'CC-BY 4.0',
             (DataFile('benchmarks/imo_answerbench_v2.csv', 169537,
                       '275877a9d988d85278fad3a5f8a41d7f83393a60bf259531ec0a5161e6b21cf9', 'imobench/answerbench_v2.csv'),),
             SUPERHUMAN),
@@ -153,13 +153,18 @@ REGISTRY: dict[str, Dataset] = {d.name: d for d in [
                                    "`tmas discover --from-history <data folder>/autotts_history`"), in_all=False),
 ]}
 
+def dataset_key(name: str, registry: dict[str, Dataset] | None = None) -> str | None:
+    "The registry's name for `name` written with '-' or '_' either way ('imo-answerbench' -> 'imo_answerbench'); None when unknown."
+    registry = REGISTRY if registry is None else registry
+    return next((k for k in (name, name.replace('-', '_'), name.replace('_', '-')) if k in registry), None)
+
 def resolve_names(names, registry: dict[str, Dataset] | None = None) -> list[Dataset]:
     "The data sets named (`all`: every one with a public source that is `in_all`), in order, without repeats."
     registry = REGISTRY if registry is None else registry
     out = []
     for n in names:
         if n == 'all': picked = [d for d in registry.values() if d.source is not None and d.in_all]
-        elif n in registry: picked = [registry[n]]
+        elif (k := dataset_key(n, registry)) is not None: picked = [registry[k]]
         else: raise ValueError(f"unknown data set {n!r}; choose from {', '.join([*registry, 'all'])} (`tmas data list` describes them)")
         out += [d for d in picked if d not in out]
     return out

@@ -91,7 +91,8 @@ def hard_subset_cli(p) -> None:
     p.add_argument('--top-p', dest='top_p', type=float, default=0.95)
     p.add_argument('--top-k', dest='top_k', type=int, default=20)
     p.add_argument('--max-new-tokens', dest='max_new_tokens', type=int, default=4096)
-    p.add_argument('--limit', type=int, default=None, help='only the first N problems (a quick check)')
+    from tmas_nb.settings import positive_int
+    p.add_argument('--limit', type=positive_int, default=None, help='only the first N problems (a quick check)')
     p.add_argument('--threads', type=int, default=None, help='torch CPU threads')
     p.add_argument('--quiet', action='store_true')
     p.add_argument('--out', required=True, help='the problem-id list to write')

@@ -76,8 +76,9 @@ def snapshot(self:RunProgress) -> dict:
     roles = {}
     for role in dict.fromkeys([*self.planned, *by]):
         d, p = by.get(role, {}), self.planned.get(role, {})
-        roles[role] = {'calls': d.get('calls', 0), 'calls_planned': p.get('calls'), 'samples': d.get('samples', 0),
-                       'samples_planned': p.get('samples'), 'truncated': d.get('truncated_samples', 0),
+        grown = lambda k: max(p.get(k) or 0, d.get(k, 0)) if self.planned else None   # retries grow a role's plan: never past it
+        roles[role] = {'calls': d.get('calls', 0), 'calls_planned': grown('calls'), 'samples': d.get('samples', 0),
+                       'samples_planned': grown('samples'), 'truncated': d.get('truncated_samples', 0),
                        'completion_tokens': d.get('completion_tokens', 0)}
     fresh = sum(d.get('completion_tokens', 0) - d.get('cached_completion_tokens', 0) for d in by.values())
     rate = fresh / elapsed if elapsed > 0 else 0.0
@@ -86,7 +87,7 @@ def snapshot(self:RunProgress) -> dict:
     eta = None if not self.planned else 0.0 if not left else (left / rate if rate > 0 else None)
     inner = wire_backends(self.llm)
     wire = [b.in_flight for b in inner if isinstance(getattr(b, 'in_flight', None), int)]
-    planned = sum(p.get('calls') or 0 for p in self.planned.values())
+    planned = sum(r['calls_planned'] or 0 for r in roles.values())
     return {'roles': roles, 'tokens_per_s': round(rate, 2), 'elapsed_s': round(elapsed, 1),
             'eta_s': None if eta is None else round(eta, 1), 'truncated': sum(r['truncated'] for r in roles.values()),
             'samples': sum(r['samples'] for r in roles.values()),
@@ -118,6 +119,9 @@ def record_usage(self:RunProgress, request: Request, completions: list[Completio
     "Count the call, move the bar, and save the progress when `every_s` has passed; the bar's text is redone at most every `bar.mininterval` seconds, and never when no bar is shown."
     super(RunProgress, self).record_usage(request, completions)
     self.fresh_calls += not all(c.cached for c in completions)
+    p = self.planned.get(request.role, {})
+    if self.planned and self.usage.by_role[request.role]['calls'] > (p.get('calls') or 0) and self.bar.total is not None:
+        self.bar.total += 1   # a call past its role's plan (a memory agent's retry) grows the plan, as in `snapshot`
     self.bar.update(1)
     if self.bar.disable and not self.run_dir and not self.log: return
     now = time.perf_counter()

@@ -21,9 +21,9 @@ from .stats import bootstrap_interval
 
 # %% auto #0
 __all__ = ['PATH_PARAMETERS', 'REPORT_INPUTS', 'FIGURE_DPI', 'STYLE', 'reports_dir', 'list_reports', 'resolve_paths',
-           'report_kernel', 'run_report', 'report_defaults', 'missing_input', 'report_cli', 'use_style', 'figure_style',
-           'save_figure', 'iteration_ticks', 'interval_label', 'format_p', 'stats_table', 'interval_curves',
-           'json_rows', 'runs_curve', 'plain_ticks', 'footnote']
+           'report_kernel', 'run_report', 'report_defaults', 'missing_input', 'report_cli', 'report_parameters',
+           'check_parameters', 'use_style', 'figure_style', 'save_figure', 'iteration_ticks', 'interval_label',
+           'format_p', 'stats_table', 'interval_curves', 'json_rows', 'runs_curve', 'plain_ticks', 'footnote']
 
 # %% ../nbs/90_reporting.ipynb #55f9aab8
 def reports_dir() -> Path:
@@ -175,6 +175,7 @@ def _cmd_report(args) -> int:
     params = _parse_params(args.param)
     out = Path(args.out).resolve() if args.out else repo_root() / 'reports' / 'out'
     if args.name != 'all':
+        if args.name in list_reports(): check_parameters(args.name, params)
         if args.name in list_reports() and (lack := missing_input(args.name, params)):
             raise FileNotFoundError(f"report {args.name} {lack}")
         t = time.perf_counter()
@@ -186,6 +187,8 @@ def _cmd_report(args) -> int:
         print(f"{args.name}: {time.perf_counter() - t:.1f} s -> {d}")
         return 0
     done, skipped, failed = [], [], []
+    known = {n: report_parameters(n) for n in list_reports()}
+    check_parameters('all', params, set().union(*known.values()))   # a name no report has; each report gets the ones it has
     for n in list_reports():
         if (kind := REPORT_INPUTS.get(n, ('',))[0]) in ('model', 'long'):
             why = 'it calls a model' if kind == 'model' else 'it loads this machine for many minutes'
@@ -193,7 +196,7 @@ def _cmd_report(args) -> int:
         if lack := missing_input(n, params):
             print(f"{n}: skipped — {lack}"); skipped.append(n); continue
         t = time.perf_counter()
-        try: d = run_report(n, out, params, progress=not args.quiet)
+        try: d = run_report(n, out, {k: v for k, v in params.items() if k in known[n]}, progress=not args.quiet)
         except Exception as e:
             print(f"{n}: failed — {_one_line(e)}"); failed.append(n); continue
         print(f"{n}: {time.perf_counter() - t:.1f} s -> {d}"); done.append(n)
@@ -209,6 +212,24 @@ def report_cli(p) -> None:
     p.add_argument('-p', '--param', action='append', metavar='KEY=VALUE', help='override a report parameter (repeatable)')
     p.add_argument('--quiet', action='store_true', help='no progress bar')
     p.set_defaults(func=_cmd_report)
+
+# %% ../nbs/90_reporting.ipynb #955e1fbf
+def report_parameters(name: str) -> set[str]:
+    "The names assigned in report `name`'s `parameters` cell (literal or not)."
+    import nbformat
+    nb = nbformat.read(reports_dir() / f'{name}.ipynb', as_version=4)
+    cells = [c for c in nb.cells if c.cell_type == 'code' and 'parameters' in c.metadata.get('tags', [])]
+    return {t.id for c in cells for node in ast.parse(c.source).body if isinstance(node, (ast.Assign, ast.AnnAssign))
+            for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)}
+
+def check_parameters(name: str, parameters: dict | None, known: set[str] | None = None) -> None:
+    "Refuse, in one `ValueError`, a parameter report `name` does not have (or none of `known`), naming the closest one it has."
+    import difflib
+    known = (report_parameters(name) if known is None else set(known)) | {'out_dir'}
+    bad = [k for k in (parameters or {}) if k not in known]
+    if not bad: return
+    said = [f"{k} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(k, sorted(known), n=1)) else k for k in bad]
+    raise ValueError(f"report {name} has no parameter {', '.join(said)}; its parameters: {', '.join(sorted(known))}")
 
 # %% ../nbs/90_reporting.ipynb #66113a10
 FIGURE_DPI = 160

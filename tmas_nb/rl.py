@@ -684,6 +684,7 @@ def read_problem_file(name: str) -> list[Problem]:
 def teacher(t: TeacherSettings, progress: bool = True, llm=None) -> Path:
     "TMAS iterations by the teacher on `t.problems` into OUT/run (`llm`: an `LLM` to use instead of `t.model`), then the mixed rows in OUT/data.parquet."
     if not t.out: raise ValueError("--out is required: the folder for the teacher's run and the rows")
+    if t.limit is not None and t.limit < 1: raise ValueError(f"--limit must be >= 1, got {t.limit}")
     out = Path(t.out); out.mkdir(parents=True, exist_ok=True)
     problems = read_problem_file(t.problems)[:t.limit] if t.limit else read_problem_file(t.problems)
     bench = out / 'problems.jsonl'     # the run reads its questions back from its benchmark

@@ -418,6 +418,8 @@ def summary(self:Run) -> dict:
          'tokens_by_endpoint': tokens_by_endpoint(self.config, self.usage.get('by_role', {})), 'complete': self.complete}
     if judged: s['grading'] = grading_label(self.judge)
     if self.running is not None: s['running_pid'] = self.running
+    for why in ('failed', 'interrupted'):   # how the last invocation stopped, when it did not finish
+        if not self.complete and self.running is None and self.status.get(why): s[why] = self.status[why]
     return s
 
 # %% ../nbs/24a_run_folder.ipynb #a1f31675
@@ -453,6 +455,10 @@ def load_run(run_dir) -> Run:
         records, banks, usage_by_role, events = collect_run(run_dir, cfg.get('problem_ids')) if has_checkpoints else ([], [], {}, [])
         return Run(run_dir, cfg, records_frame(records), banks_frame(banks), {'by_role': usage_by_role}, status, judge, events,
                    running=running)
+    if status.get('failed'):   # stopped by an error before any problem was checkpointed
+        from tmas_nb.core import terminal_safe   # the reason may quote a server's reply
+        raise FileNotFoundError(f"{run_dir}: failed: {terminal_safe(status['failed'])}; nothing was kept. Fix that and rerun the same "
+                                f"`tmas run ... --out {run_dir}` command, or remove this folder.")
     raise FileNotFoundError(f"{run_dir}: missing {', '.join(missing)}; the run has not finished. Rerun the same "
                             f"`tmas run ... --out {run_dir}` command to finish it (it resumes), or leave this folder out.")
 

@@ -32,11 +32,18 @@ from .run_folder import (
     pass_at_1_by_iteration, tmas_variant, run_label, best_candidates, Run, banks_frame, load_run)   # the run folder format and reader, importable from here as before
 
 # %% auto #0
-__all__ = ['METHOD_ROLES', 'ENDPOINT_ROLES', 'CUT_WARNING', 'PRESET_HELP', 'record_server', 'resolve_auto_backend',
-           'check_run_files', 'RunOptions', 'sampling_by_role', 'run_record', 'start_run', 'model_context_length',
-           'cap_to_context', 'layer_settings', 'protocol_of', 'distiller_context', 'parse_role_endpoint',
-           'parse_role_endpoints', 'RunPlan', 'plan_run', 'summary_line', 'run_facts', 'facts_lines', 'summary_text',
-           'run_cli', 'runs_table', 'effective_defaults', 'summary_cli', 'list_cli', 'config_from_args']
+__all__ = ['METHOD_ROLES', 'ENDPOINT_ROLES', 'LONG_CPU_RUN_S', 'CUT_WARNING', 'PRESET_HELP', 'record_server',
+           'resolve_auto_backend', 'check_run_files', 'RunOptions', 'sampling_by_role', 'run_record', 'start_run',
+           'RunInterrupted', 'stop_reason', 'record_stop', 'model_context_length', 'cap_to_context', 'layer_settings',
+           'protocol_of', 'distiller_context', 'parse_role_endpoint', 'parse_role_endpoints', 'RunPlan', 'plan_run',
+           'check_run_model', 'check_long_run', 'summary_line', 'run_facts', 'facts_lines', 'summary_text', 'run_cli',
+           'runs_table', 'effective_defaults', 'summary_cli', 'list_cli', 'config_from_args']
+
+# %% ../nbs/24_runs.ipynb #b7682649
+from .core import terminal_safe
+from .data import benchmark_name
+from .llm.models import check_model, default_device, packaged_model
+from .settings import positive_int
 
 # %% ../nbs/24_runs.ipynb #0be1d591
 def record_server(run_dir, llm) -> dict | None:
@@ -188,13 +195,14 @@ def _open_model(run_dir: Path, llm, where: tuple, llm_kw: dict):
     return CachedLLM(RoleRouter(llm, routes, close_default=not given), run_dir / 'calls.sqlite')
 
 async def _run_in_folder(m, problems, run_dir: Path, llm, where: tuple, opts: RunOptions, llm_kw: dict) -> Run:
-    "`start_run` once the folder is checked: open the model and its cache, mark the run incomplete, run, collect, mark it complete."
+    "`start_run` once the folder is checked: open the model and its cache, mark the run incomplete, run, collect, mark it complete (or note in status.json why it stopped)."
     before = read_status(run_dir)
     t0 = time.perf_counter()
     est = _log_estimate(m, len(problems), run_dir, llm, where, opts)
     cached = _open_model(run_dir, llm, where, llm_kw)
     prog = _run_progress(m, len(problems), run_dir, cached, opts, {'invocations': before.get('invocations', 0) + 1,
                          'wall_before': before.get('wall_s', 0.0), **({'estimate': est.to_dict()} if est else {})})
+    stopped = None
     try:
         prog.flush()
         async with prog.ticking():   # RunProgress shows progress per call
@@ -202,22 +210,47 @@ async def _run_in_folder(m, problems, run_dir: Path, llm, where: tuple, opts: Ru
                              tracker=prog)   # finish_run reads the records
         stats = {'hits': cached.hits, 'misses': cached.misses,
                  'model_loaded': getattr(getattr(cached, 'backend', None), 'loaded', True)}
+    except BaseException as e:   # an error, or Ctrl-C (a cancelled task): status.json says which, below
+        stopped = e; raise
     finally:
         wall = before.get('wall_s', 0.0) + time.perf_counter() - t0
         engines = engine_stats(cached)   # engines used and any fallback between them
         prog.close()
         record_server(run_dir, cached)
+        kept = cached.store.requests_kept() if stopped is not None else 0
         if llm is None or isinstance(cached.backend, RoleRouter): cached.close()
         else: cached.store.close()
+        if stopped is not None: record_stop(run_dir, stopped, kept, wall, before, prog.snapshot(), est)
     finish_run(run_dir, stats)
     write_status(run_dir, True, wall, invocations=before.get('invocations', 0) + 1, last_invocation_cache=stats,
                  last_invocation_engines=engines, progress=prog.snapshot(), **({'estimate': est.to_dict()} if est else {}))
     return load_run(run_dir)
 
+# %% ../nbs/24_runs.ipynb #cc31478f
+class RunInterrupted(KeyboardInterrupt):
+    "Ctrl-C stopped a run after its status was saved; the message says how many calls were kept and how to resume."
+
+def stop_reason(e: BaseException) -> str:
+    "The one line `status.json` keeps for a run that failed with `e`: the command line's message, else the error's type and first words."
+    from tmas_nb.cli import error_message
+    return error_message(e) or f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+
+# %% ../nbs/24_runs.ipynb #9de4b911
+def record_stop(run_dir, e: BaseException, kept: int, wall: float, before: dict, progress: dict, est=None) -> dict:
+    "Write `status.json` of a run stopped by `e` (`interrupted` for Ctrl-C, else `failed`) with the calls kept; Ctrl-C is raised on as `RunInterrupted`."
+    from asyncio import CancelledError
+    interrupted = isinstance(e, (KeyboardInterrupt, CancelledError))
+    why = {'interrupted': f'by Ctrl-C; {kept} calls kept'} if interrupted else {'failed': stop_reason(e)}
+    st = write_status(run_dir, False, wall, invocations=before.get('invocations', 0) + 1, calls_kept=kept, progress=progress,
+                      **({'estimate': est.to_dict()} if est else {}), **why)
+    if interrupted: raise RunInterrupted(f"interrupted; {kept} calls kept; rerun the same command to resume") from None
+    return st
+
 # %% ../nbs/24_runs.ipynb #166c5c1a
 def model_context_length(model: str, backend: str = 'transformers') -> int | None:
-    "The context length (tokens) of a local or packaged model from its config.json; None when it cannot be read."
+    "The context length (tokens) of a packaged model (known without converting it) or of a local model from its config.json; None when it cannot be read."
     if backend == 'openai': return None
+    if (spec := packaged_model(model)) is not None and spec.context_length: return spec.context_length
     try:
         d = read_json(Path(resolve_model(model)) / 'config.json')
     except (OSError, ValueError, ImportError): return None
@@ -366,20 +399,42 @@ class RunPlan:
 # %% ../nbs/24_runs.ipynb #9887dec6
 def plan_run(args) -> RunPlan:
     "The `RunPlan` of `tmas run`'s flags: settings layered, benchmark read and selected, backend keywords checked."
-    ms = resolve(ModelSettings, args=args)
+    ms = resolve(ModelSettings, args=args)   # a --base-url means --backend openai
+    check_run_model(ms)                      # a misspelled model stops here, before anything is written
     flags = {f: getattr(args, f, None) for f in _FLAG_FIELDS}
     flags['role_endpoints'] = parse_role_endpoints(args.role_endpoint or [], '--role-endpoint')
     config, record = layer_settings(args.method, args.preset, args.config, flags, ms.model, ms.backend)
     problems = load_benchmark(args.benchmark)
     if args.problem_ids: problems = select_problems(problems, read_problem_ids(args.problem_ids))
     if args.limit is not None: problems = first_k(problems, args.limit)
-    bench = args.benchmark if not Path(args.benchmark).exists() else str(Path(args.benchmark).resolve())
+    bench = benchmark_name(args.benchmark) if not Path(args.benchmark).exists() else str(Path(args.benchmark).resolve())
     opts = RunOptions(bench, args.limit, args.preset, args.concurrency, not args.quiet, record, getattr(args, 'progress_every', 30.0))
     kw = _backend_kw(args, ms)
     if ms.backend == 'openai':   # every candidate chain of every problem in flight, unless told
         kw['max_concurrency'] = args.requests_in_flight or max(16, args.concurrency * int(getattr(config, 'n_candidates', 1) or 1))
     elif args.requests_in_flight is not None: raise ValueError("--requests-in-flight applies to --backend openai only")
     return RunPlan(args.method, config, opts, list(problems), ms, kw)
+
+# %% ../nbs/24_runs.ipynb #408416e8
+def check_run_model(ms: ModelSettings) -> str | None:
+    "How the model of a run on this machine is found (`check_model`); None for a served model (--backend openai), which is the server's."
+    if ms.backend == 'openai': return None
+    return check_model(ms.model.split(':', 1)[1] if ms.model.startswith('llama.cpp:') else ms.model)
+
+# %% ../nbs/24_runs.ipynb #f845a4d2
+LONG_CPU_RUN_S = 3600
+"A run on this machine's CPU estimated longer than this (seconds) starts only with --yes, unless a preset sized it."
+
+def check_long_run(plan: RunPlan, yes: bool = False) -> RunEstimate | None:
+    "The estimate of a run without a preset on this machine's CPU; a `ValueError` naming --yes when it exceeds `LONG_CPU_RUN_S` and `yes` is not given."
+    ms = plan.model
+    if yes or plan.options.preset or ms.backend == 'openai' or default_device() != 'cpu': return None
+    try: est = estimate_run(plan.method, plan.config, len(plan.problems), plan.options.concurrency, ms.model, ms.backend, ms.threads)
+    except ValueError: return None   # a method without a call plan (--method controller)
+    if est.wall_s is None or est.wall_s <= LONG_CPU_RUN_S: return est
+    raise ValueError(f"this run is estimated at {fmt_seconds(est.wall_s)} on this machine's CPU ({len(plan.problems)} problems, "
+                     f"{sum(d['samples'] for d in est.roles.values()):,} samples of up to {max(d['max_new_tokens'] for d in est.roles.values()):,} tokens); "
+                     f"pass --yes to start it anyway, or make it smaller (--preset cpu-demo, --limit, --max-new-tokens; --dry-run shows the estimate)")
 
 # %% ../nbs/24_runs.ipynb #5266287b
 def _dry_run(plan: RunPlan) -> int:
@@ -411,6 +466,7 @@ def _cmd_run(args) -> int:
         return 0
     if args.dry_run: return _dry_run(plan)
     if not args.out: raise ValueError("tmas run: --out is required (the run folder), unless --print-config")
+    if not (Path(args.out) / 'config.json').exists(): check_long_run(plan, args.yes)   # a resumed run was agreed to
     ms = plan.model
     run = run_sync(start_run(plan.method, plan.problems, plan.config, args.out, model=ms.model, backend=ms.backend,
                              base_url=ms.base_url, options=plan.options, **plan.llm_kw))
@@ -463,6 +519,7 @@ def summary_text(s: dict, facts: dict) -> str:
     "The text of `tmas runs summary` from `Run.summary()` and `run_facts`, control characters escaped (answers are a model's words)."
     running = f"  running (process {s['running_pid']})" if 'running_pid' in s else ''
     lines = [f"method {s['method']}  problems {s['problems']}  complete {s['complete']}{running}",
+             *[f"{k}: {s[k]} (rerun the same `tmas run` command to resume)" for k in ('failed', 'interrupted') if k in s],
              f"wall time {fmt_seconds(facts['wall_s'])}  engine {facts['engine']} (backend {facts['backend']})",
              'iteration  pass@1  candidates']
     lines += [f"{i['iteration']:>9}  {i['pass_at_1']:.4f}  {i['candidates']:>10}" for i in s['iterations']]
@@ -504,7 +561,8 @@ def run_cli(p) -> None:
                    help='print the calls and samples per role, the tokens, the estimated wall time and the engine, and exit (without a '
                         'calibration it times the model for a few seconds)')
     p.add_argument('--problem-ids', dest='problem_ids', default=None, help='a file of problem ids, one per line (e.g. from `tmas data hard-subset`)')
-    p.add_argument('--limit', type=int, default=None, help='only the first K problems (default: every problem)')
+    p.add_argument('--limit', type=positive_int, default=None, help='only the first K problems (default: every problem)')
+    p.add_argument('--yes', action='store_true', help='start a run on this CPU whose estimate exceeds an hour (without a preset such a run asks for --yes)')
     _method_flags(p)
     p.add_argument('--concurrency', type=int, default=4, help='problems run at the same time (default: 4)')
     p.add_argument('--progress-every', dest='progress_every', type=float, default=30.0, metavar='SECONDS',
@@ -526,9 +584,18 @@ def runs_table(folder) -> list[dict]:
             s = run.summary()
             last = s['iterations'][-1]['pass_at_1'] if s['iterations'] else None
             rows.append({'method': run.method, 'model': run.config.get('model'), 'problems': s['problems'], 'complete': s['complete'],
-                         'pass_at_1_last': last, 'wall_s': float(run.status.get('wall_s', 0.0)), 'path': str(d)})
-        except (ValueError, OSError, KeyError) as e: rows.append({'path': str(d), 'error': ' '.join(str(e).split())[:160]})
+                         'pass_at_1_last': last, 'wall_s': float(run.status.get('wall_s', 0.0)), 'path': str(d),
+                         **{k: s[k] for k in ('failed', 'interrupted') if k in s}})
+        except (ValueError, OSError, KeyError) as e:
+            failed = _failed_reason(d)
+            rows.append({'path': str(d), **({'failed': failed} if failed else {'error': ' '.join(str(e).split())[:160]})})
     return rows
+
+# %% ../nbs/24_runs.ipynb #61436ace
+def _failed_reason(run_dir) -> str | None:
+    "The `failed` reason in a run folder's status.json, when it has one and can be read."
+    try: return read_status(run_dir).get('failed')
+    except (ValueError, OSError): return None
 
 # %% ../nbs/24_runs.ipynb #e27d388e
 def _cmd_list(args) -> int:
@@ -536,9 +603,12 @@ def _cmd_list(args) -> int:
     if not rows: print(terminal_safe(f"no run folders under {args.folder}")); return 0
     lines = [f"{'method':<14} {'model':<22} {'problems':>8} {'complete':>8} {'pass@1':>7} {'wall':>9}  path"]
     for r in rows:
-        if 'error' in r: lines.append(f"{'?':<14} {'':<22} {'':>8} {'':>8} {'':>7} {'':>9}  {r['path']}  (unreadable: {r['error']})"); continue
+        if 'error' in r or 'failed' in r and 'method' not in r:
+            why = f"failed: {r['failed']}" if 'failed' in r else f"unreadable: {r['error']}"
+            lines.append(f"{'?':<14} {'':<22} {'':>8} {'':>8} {'':>7} {'':>9}  {r['path']}  ({why})"); continue
         p1 = f"{r['pass_at_1_last']:.3f}" if r['pass_at_1_last'] is not None else '-'
-        lines.append(f"{r['method']:<14} {str(r['model'])[:22]:<22} {r['problems']:>8} {str(r['complete']):>8} {p1:>7} {fmt_seconds(r['wall_s']):>9}  {r['path']}")
+        stop = ''.join(f"  ({k}: {r[k]})" for k in ('failed', 'interrupted') if k in r)
+        lines.append(f"{r['method']:<14} {str(r['model'])[:22]:<22} {r['problems']:>8} {str(r['complete']):>8} {p1:>7} {fmt_seconds(r['wall_s']):>9}  {r['path']}{stop}")
     print(terminal_safe('\n'.join(lines)))   # folder names and models come from the folders, which may have been shipped
     return 0
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 # %% auto #0
 __all__ = ['setting', 'DeprecatedFlag', 'deprecated_alias', 'RenamedFlag', 'renamed_flag', 'CommandHelp', 'flag_name',
-           'add_settings', 'read_json', 'resolve', 'ModelSettings', 'SandboxSettings', 'OutputSettings']
+           'add_settings', 'read_json', 'resolve', 'positive_int', 'ModelSettings', 'SandboxSettings', 'OutputSettings']
 
 # %% ../nbs/00b_settings.ipynb #4af2e43f
 def setting(default=MISSING, help: str = '', *, flag: str | None = None, aliases: tuple = (), metavar: str | None = None,
@@ -129,6 +129,14 @@ def resolve(cls, *layers: tuple, args=None):
         values.update({k: v for k, v in vars(args).items() if k in names and v is not None})
     return cls(**values)
 
+# %% ../nbs/00b_settings.ipynb #c1be0d73
+def positive_int(text: str) -> int:
+    "An argparse type for counts such as `--limit`: a whole number >= 1."
+    try: v = int(text)
+    except ValueError: raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if v < 1: raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
 # %% ../nbs/00b_settings.ipynb #1a5aa60a
 @dataclass
 class ModelSettings:
@@ -140,6 +148,12 @@ class ModelSettings:
     served_model: str | None = setting(None, "the model's name on the server (default: --model)")
     threads: int | None = setting(None, "CPU threads of a model run here (default: every core)")
 
+    def __post_init__(self):
+        if self.base_url and self.backend == 'auto': self.backend = 'openai'   # a server's address means the server's backend
+        elif self.base_url and self.backend != 'openai':
+            raise ValueError(f"--base-url is a server's address, but --backend {self.backend} runs the model on this machine; "
+                             f"leave --backend out (a base URL means --backend openai) or pass --backend openai")
+
 # %% ../nbs/00b_settings.ipynb #b6845474
 @dataclass
 class SandboxSettings:
@@ -149,7 +163,7 @@ class SandboxSettings:
     memory_mb: int = setting(2048, "memory budget of the whole sandbox, processes and files together, in MB")
     jobs: int = setting(1, "sandboxed children splitting the seeds")
     stateless: bool = setting(False, "an authors'-API class keeps no state between questions: split its seeds over --jobs without proving it (by default a split is kept only where state digests prove it exact)")
-    sandbox: bool = setting(True, "run the file in the sandbox (--no-sandbox: trusted files only)")
+    sandbox: bool = setting(True, "run the file outside the sandbox, for trusted files only (default: every file runs sandboxed)")
 
     def __post_init__(self):
         if not (isinstance(self.timeout, (int, float)) and self.timeout > 0): raise ValueError(f"--timeout must be > 0 seconds, got {self.timeout!r}")

@@ -20,8 +20,8 @@ from .run_show import bank_diff, bank_file_events
 
 # %% auto #0
 __all__ = ['SETTING_NAMES', 'VIEWER_JS_PARTS', 'call_view', 'call_groups', 'candidate_view', 'merges_of', 'memory_view',
-           'RunParts', 'calls_table', 'run_parts', 'iteration_view', 'questions_of', 'problem_view', 'run_facts',
-           'run_notes', 'run_view', 'embed_json', 'viewer_html', 'show_run', 'write_html', 'export_cli']
+           'RunParts', 'calls_table', 'run_parts', 'iteration_view', 'questions_of', 'problem_view', 'run_tokens',
+           'run_facts', 'run_notes', 'run_view', 'embed_json', 'viewer_html', 'show_run', 'write_html', 'export_cli']
 
 # %% ../nbs/92_viewer.ipynb #b0b04960
 def _cut(text, max_chars: int | None):
@@ -168,12 +168,19 @@ def problem_view(parts: RunParts, problem_id: str, question: str | None) -> dict
             'iterations': [iteration_view(parts, problem_id, int(it), banks) for it in sorted(mine['iteration'].unique())]}
 
 # %% ../nbs/92_viewer.ipynb #ba2a3e4d
+def run_tokens(run: Run) -> dict:
+    "The run's tokens: completion and prompt in all, and completion per role (from its usage: every call, replayed ones included)."
+    by = run.usage.get('by_role') or {}
+    count = lambda k: sum(int(d.get(k) or 0) for d in by.values())
+    return {'completion': count('completion_tokens'), 'prompt': count('prompt_tokens'),
+            'by_role': {r: int(d.get('completion_tokens') or 0) for r, d in by.items()}}
+
 SETTING_NAMES = {'n_candidates': 'N', 'n_verifications': 'M', 'iterations': 'T', 'epsilon': 'ε', 'mode': 'mode',
                  'dedup_threshold': 'τ', 'max_new_tokens': 'tokens', 'temperature': 'temperature', 'embedder': 'embedder'}
 "The settings shown in the viewer's header, by their papers' names (RSE: K candidates per round, R rounds)."
 
 def run_facts(run: Run) -> dict:
-    "The header of the viewer: label, method, model, benchmark, folder, sizing settings, completeness, wall time."
+    "The header of the viewer: label, method, model, benchmark, folder, sizing settings, completeness, wall time, tokens (completion per role, prompt)."
     s, rse = run.settings, run.method == 'rse'
     names = {**SETTING_NAMES, **({'n_candidates': 'K', 'iterations': 'R'} if rse else {})}
     unused = {'n_verifications'} if run.method not in ('tmas', 'verify-refine') else set()
@@ -182,7 +189,7 @@ def run_facts(run: Run) -> dict:
     return {'label': run.label, 'method': run.method, 'model': run.config.get('model_id') or run.model,
             'backend': run.config.get('backend'), 'benchmark': run.config.get('benchmark'), 'folder': run.run_dir.name,
             'settings': ' · '.join(shown), 'problems': run.n_problems, 'complete': run.complete,
-            'wall_s': _number(run.status.get('wall_s'), 1), 'started': run.config.get('started')}
+            'wall_s': _number(run.status.get('wall_s'), 1), 'started': run.config.get('started'), 'tokens': run_tokens(run)}
 
 # %% ../nbs/92_viewer.ipynb #2741877d
 def run_notes(run: Run, parts: RunParts) -> list[str]:
@@ -405,11 +412,17 @@ _JS_NAV = r'''
 function header() {
   const r = DATA.run;
   const facts = [r.method, r.model + (r.backend ? ' (' + r.backend + ')' : ''), 'benchmark ' + r.benchmark, plural(r.problems, 'problem'),
-                 r.settings, (r.complete ? 'complete' : 'NOT complete') + (none(r.wall_s) ? '' : ', ' + fix(r.wall_s, 0) + ' s')];
+                 r.settings, (r.complete ? 'complete' : 'NOT complete') + (none(r.wall_s) ? '' : ', ' + fix(r.wall_s, 0) + ' s'), tokenFacts(r.tokens)];
   return el('header', {}, el('div', {class: 'head'}, el('h1', {}, r.label, el('span', {class: 'folder'}, r.folder)),
                               el('div', {class: 'facts'}, facts.filter(Boolean).join('  ·  ')),
                               el('div', {class: 'legend'}, `${itName(0)}, ${itName(1)}, …: iterations counted from 0 as the papers' tables and the records count them.`)),
             plot());
+}
+function tokenFacts(t) {
+  if (!t) return '';
+  const n = x => Number(x).toLocaleString('en-US');
+  const roles = Object.entries(t.by_role || {}).map(([k, v]) => k + ' ' + n(v)).join(', ');
+  return n(t.completion) + ' completion tokens' + (roles ? ' (' + roles + ')' : '') + ', ' + n(t.prompt) + ' prompt tokens';
 }
 function nav() {
   const ps = DATA.problems;

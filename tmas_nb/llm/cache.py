@@ -234,6 +234,12 @@ def put_many(self:CompletionStore, model_id: str, request: Request, samples: lis
         except BaseException:
             self._db.execute('ROLLBACK'); raise
 
+# %% ../../nbs/14_llm_cache.ipynb #ced8f8a9
+@patch
+def requests_kept(self:CompletionStore) -> int:
+    "How many calls the store holds answers of: distinct requests, however many samples each kept."
+    with self._lock: return self._db.execute('SELECT COUNT(DISTINCT request) FROM completions').fetchone()[0]
+
 # %% ../../nbs/14_llm_cache.ipynb #54a9cbe2
 class StoreBatcher:
     "Lookups and writes of a `CompletionStore` from one event loop, served in batches: one worker-thread trip and one transaction per batch."

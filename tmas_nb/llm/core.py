@@ -13,8 +13,8 @@ from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['MAX_TOP_LOGPROBS', 'THINK_OPEN', 'THINK_CLOSE', 'TRUNCATED_NOTE', 'BACKENDS', 'Request', 'ThinkingSplit',
-           'split_thinking', 'split_reasoning', 'Completion', 'TokenUsage', 'run_sync', 'LLM', 'LazyLLM',
-           'wrapped_backends', 'engine_stats', 'supports_logprobs', 'engine_load']
+           'split_thinking', 'split_reasoning', 'Completion', 'TokenUsage', 'run_sync', 'LLM', 'in_own_thread',
+           'LazyLLM', 'wrapped_backends', 'engine_stats', 'supports_logprobs', 'engine_load']
 
 # %% ../../nbs/10_llm_core.ipynb #1ade0527
 _CHAT_ROLES = ('system', 'user', 'assistant', 'tool', 'developer')
@@ -289,6 +289,17 @@ async def generate(self:LLM, requests: list[Request]) -> list[list[Completion]]:
         self.record_usage(r, cs)
     return out
 
+# %% ../../nbs/10_llm_core.ipynb #9c00a88e
+async def in_own_thread(fn):
+    "`fn()` run in a daemon thread of its own: a caller cancelled meanwhile (Ctrl-C) returns at once, where the loop's executor would be waited for on shutdown."
+    import concurrent.futures
+    fut = concurrent.futures.Future()
+    def run():
+        try: fut.set_result(fn())
+        except BaseException as e: fut.set_exception(e)
+    threading.Thread(target=run, name='tmas-load', daemon=True).start()
+    return await asyncio.wrap_future(fut)
+
 # %% ../../nbs/10_llm_core.ipynb #35808ae9
 BACKENDS = ('transformers', 'openai', 'llama.cpp', 'auto')
 
@@ -296,21 +307,24 @@ class LazyLLM(LLM):
     "An `LLM` whose backend is built by `factory()` when the first request arrives."
     def __init__(self, factory, model_id: str):
         super().__init__(model_id)
-        self.factory, self.backend, self._lock = factory, None, threading.Lock()
+        self.factory, self.backend, self._lock, self._closed = factory, None, threading.Lock(), False
 
     @property
     def loaded(self) -> bool: return self.backend is not None
 
     def _build(self) -> LLM:
         with self._lock:
-            if self.backend is None: self.backend = self.factory()
+            if self.backend is None:
+                self.backend = self.factory()
+                if self._closed: self.backend.close()   # closed while it loaded (Ctrl-C): nothing will call it
         return self.backend
 
     async def _generate(self, requests: list[Request]) -> list[list[Completion]]:
-        backend = self.backend or await asyncio.to_thread(self._build)
+        backend = self.backend or await in_own_thread(self._build)
         return await backend.generate(requests)
 
     def close(self):
+        self._closed = True
         if self.backend is not None: self.backend.close()
 
 # %% ../../nbs/10_llm_core.ipynb #4d6cdae4

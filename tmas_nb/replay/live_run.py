@@ -14,7 +14,7 @@ from ..llm.core import Completion
 from ..methods import MethodConfig, Method, StepResult, candidate
 from .build import BuildSettings
 from .controllers import CONTROLLERS, cmc_schedule, parse_controller
-from .files import static_api_of
+from .files import file_controller_class, is_controller_file, static_api_of
 from .live import LiveEnv, LiveModel
 from .live_files import SandboxedController
 from .live_server import ServerLiveEnv, ServerLiveModel, server_backend
@@ -81,12 +81,8 @@ def discovery_choice(folder) -> dict:
 
 # %% ../../nbs/08c_replay_live_run.ipynb #07539db5
 def _file_class(path: Path, class_name: str | None) -> str:
-    "The controller class of a file: the one named, else its only top-level class with `run` or `solve`."
-    if class_name: return class_name
-    tree = ast.parse(path.read_text(encoding='utf-8', errors='replace'))
-    names = [n.name for n in tree.body if isinstance(n, ast.ClassDef) and static_api_of(path.read_text(), n.name)]
-    if len(names) != 1: raise ValueError(f"--controller {path}: {'no' if not names else len(names)} controller classes ({', '.join(names)}); name one with --controller-class")
-    return names[0]
+    "The controller class of a file: the one named, else its only controller class (`replay.files.file_controller_class`, which `tmas replay eval` uses too)."
+    return file_controller_class(path, class_name)
 
 # %% ../../nbs/08c_replay_live_run.ipynb #6aa00288
 def open_controller(c: ControllerConfig, sandbox: SandboxSettings | None = None):
@@ -96,7 +92,7 @@ def open_controller(c: ControllerConfig, sandbox: SandboxSettings | None = None)
         ch = discovery_choice(spec.split(':', 1)[1])
         ctl = SandboxedController(ch['path'], ch['class_name'], {**ch['config'], **c.controller_config}, sandbox)
         return ctl, {'controller': ctl.describe(), 'chosen_by': ch['chosen_by']}
-    if spec.endswith('.py') or Path(spec).is_file():
+    if is_controller_file(spec):
         ctl = SandboxedController(spec, _file_class(Path(spec), c.controller_class), c.controller_config, sandbox)
         return ctl, {'controller': ctl.describe()}
     ctl = parse_controller(spec)
@@ -152,7 +148,7 @@ def _live_model(self:ControllerMethod, llm, loop=None) -> LiveModel | ServerLive
 def solve(self:ControllerMethod, live: LiveModel | ServerLiveModel, q: int, question: str, llm=None) -> tuple:
     "Run the controller on question `q`: (answer, usage of the episode, description of the controller); a server's requests go through `llm`."
     c = self.config
-    if c.controller.startswith('discovery:') or c.controller.endswith('.py') or Path(c.controller).is_file():
+    if c.controller.startswith('discovery:') or is_controller_file(c.controller):
         with self._lock:
             if self._file is None: self._file = open_controller(c, self.sandbox)
         ctl, desc = self._file
