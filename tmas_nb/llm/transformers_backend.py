@@ -510,13 +510,15 @@ def _worker(self:TransformersBackend):
         for batch in batches:
             batch = [j for j in batch if not j.future.abandoned]   # callers that left while earlier batches ran
             if not batch: continue
-            try:
-                for j, cs in zip(batch, self._run_batch(batch)):
-                    if not j.future.done(): j.future.set_result(cs)
+            try: results = self._run_batch(batch)
             except Exception as e:
+                self.decoding_rows = 0
                 for j in batch:
                     if not j.future.done(): j.future.set_exception(e)
-            finally: self.decoding_rows = 0
+                continue
+            self.decoding_rows = 0                   # before the callers hear: what they ask `load()` next is already true
+            for j, cs in zip(batch, results):
+                if not j.future.done(): j.future.set_result(cs)
 
 # %% ../../nbs/12_llm_transformers.ipynb #5c096e4d
 @patch
