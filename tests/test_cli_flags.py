@@ -76,6 +76,7 @@ FLAGS = {
     '--copy': ('copy instead of linking', {'data mirror'}),
     # methods and runs
     '--method': ('the method', {'run'}), '--preset': ("a paper's settings", {'discover', 'run'}),
+    '--rse-sampling': ("RSE's sampling under tmas-paper: its own row or TMAS's", {'run'}),
     '--print-config': ('print the resolved configuration and exit', {'run'}),
     '--role-endpoint': ("one agent role's own server and model", {'run'}),
     '--config': ('a JSON file of settings (or a preset name)', {'rl train', 'run'}),
@@ -132,7 +133,7 @@ FLAGS = {
     '--widths': ('widths to measure', {'engines calibrate'}), '--width': ('a width to show', {'engines show'}),
     '--batch': ('requests in the throughput batch', {'doctor'}), '--version': ('llama-cpp-python release', {'engines build-llama'}),
     '-p': ('a report parameter', {'report'}), '--param': ('a report parameter', {'report'}),
-    '--runs': ('run folders', {'rl data'}), '--objective': ('what the rows train', {'rl data'}),
+    '--runs': ('run folders (rl data); K independent runs, seeds into OUT/run-k (run)', {'rl data', 'run'}), '--objective': ('what the rows train', {'rl data'}),
     '--toy-problems': ('problems of the toy task', {'rl data', 'rl train'}), '--task': ('the training rows', {'rl train'}),
     '--reward': ('the reward', {'rl train'}), '--max-steps': ('optimiser steps', {'rl train'}),
     '--num-generations': ('G', {'rl train'}), '--max-completion-length': ('tokens per rollout', {'rl train'}),
