@@ -80,8 +80,8 @@ def test_hard_subset_grades_through_the_judge(tmp_path):
     counts = json.loads((tmp_path / 'ids.txt.counts.json').read_text())
     uncut = 2 - counts['cut']['demo-01']
     import sqlite3
-    judged = sqlite3.connect(tmp_path / 'ids.txt.judge.sqlite').execute("select count(*) from sqlite_master where type='table'").fetchone()
-    assert (tmp_path / 'ids.txt.judge.sqlite').exists() and (uncut == 0 or judged[0] > 0)
+    judged = sqlite3.connect(tmp_path / 'ids.txt.judge.sqlite').execute('select count(*) from completions').fetchone()[0]
+    assert uncut >= 1 and judged == uncut                             # one judge call per uncut sample (seed 0: one of the two)
 
 
 # ------------------------------------------------------------------ de-duplication, the ablation arm, the summary cap
