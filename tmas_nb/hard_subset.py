@@ -100,7 +100,7 @@ def _cmd_hard_subset(args) -> int:
     out = Path(args.out)
     backend = 'openai' if args.model.startswith(('http://', 'https://')) else 'transformers'
     budget, why = (args.max_new_tokens, '--max-new-tokens') if args.max_new_tokens else \
-        full_budget(args.served_model or 'default' if backend == 'openai' else args.model, backend, args.model if backend == 'openai' else None)
+        full_budget((args.served_model or 'default') if backend == 'openai' else args.model, backend, args.model if backend == 'openai' else None)
     if not args.quiet: print(f"max_new_tokens {budget}: {why}", file=sys.stderr)
     kw = {'base_url': args.model} if backend == 'openai' else ({'num_threads': args.threads} if args.threads else {})
     llm = load_llm(args.served_model if backend == 'openai' else args.model, backend,
