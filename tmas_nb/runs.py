@@ -20,7 +20,7 @@ from .llm.models import resolve_model
 from .llm.openai_backend import OpenAIBackend, served_context_length
 from .llm.roles import RoleRouter
 from .llm.loading import load_llm
-from .methods import DISTILL_CONTEXT, METHODS, MethodConfig, TMASConfig, make_method, run_method
+from .methods import DISTILL_CONTEXT, METHODS, MethodConfig, make_method, run_method
 from .estimates import RunEstimate, calibration_hint, estimate_lines, estimate_run, fmt_seconds, planned_calls
 from .progress import RunProgress
 from .presets import PAPER_TOKEN_BUDGET, PRESETS, PROTOCOLS, OWN_PAPER, JUDGE_HINT, RSE_SAMPLINGS, preset_values, paper_table
