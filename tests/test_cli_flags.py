@@ -36,7 +36,7 @@ FLAGS = {
     '--chunked': ('with --base-url: one request per probe interval, as a live controller run through a server decodes', {'replay build'}),
     '--proposer': ('the model that writes controllers', {'discover'}),
     '--critic': ('the model that reviews them', {'discover'}),
-    '--judge': ('the judge model (a name, a folder or a server URL)', {'judge', 'rl train'}),
+    '--judge': ('the judge model (a name, a folder or a server URL)', {'data hard-subset', 'judge', 'rl train'}),
     # sampling (tmas_nb.agents.SamplingConfig)
     '--temperature': ('sampling temperature', {'data hard-subset', 'judge', 'replay build', 'run'}),
     '--top-p': ('nucleus mass', {'data hard-subset', 'replay build', 'run'}),
@@ -121,6 +121,7 @@ FLAGS = {
     '--repeats': ('judgements per candidate', {'judge'}), '--scope': ('which candidates', {'judge'}),
     '--samples': ('samples per problem', {'data hard-subset'}), '--threshold': ('correct-sample threshold', {'data hard-subset'}),
     '--k': ('problems to pick', {'data hard-subset'}),
+    '--allow-cut': ('write the subset although more than 5 % of the samples were cut', {'data hard-subset'}),
     # serving
     '--host': ('listen address', {'serve'}), '--port': ('listen port', {'serve'}),
     '--max-batch-size': ('sequences decoded together', {'serve'}), '--max-n': ('most samples per request', {'serve'}),
