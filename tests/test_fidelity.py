@@ -63,6 +63,7 @@ def test_hard_subset_refuses_a_subset_of_cut_samples_unless_forced(tmp_path):
     assert '--allow-cut' in lines[0] and not out.exists()
     counts = json.loads((tmp_path / 'ids.txt.counts.json').read_text())
     assert counts['cut'] == {'demo-01': 2, 'demo-02': 2} and counts['cut_share'] == 1.0
+    assert counts['samples'] == 2 and set(counts['solved']) == {'demo-01', 'demo-02'}   # per-problem rates: solved / samples
     rc, _, err = _cli(*argv, '--allow-cut')                                    # the samples come from the call cache
     assert rc == 0, err
     text = out.read_text()

@@ -113,7 +113,8 @@ def _cmd_hard_subset(args) -> int:
     finally:
         for m in (llm, judge):
             if m is not None and hasattr(m, 'close'): m.close()
-    counts = {'solved': info.pop('solve_counts'), 'cut': info.pop('cut_counts'), 'max_new_tokens': budget, 'cut_share': info['cut_share']}
+    counts = {'samples': info['samples'], 'solved': info.pop('solve_counts'), 'cut': info.pop('cut_counts'), 'max_new_tokens': budget,
+              'cut_share': info['cut_share']}
     atomic_write_json(out.with_name(out.name + '.counts.json'), counts)
     cut = f"{info['cut_samples']} of {info['samples'] * info['problems']} samples ({info['cut_share']:.1%}) cut by the token limit of {budget}"
     if info['cut_share'] > CUT_LIMIT and not args.allow_cut:
