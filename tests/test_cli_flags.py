@@ -36,7 +36,7 @@ FLAGS = {
     '--chunked': ('with --base-url: one request per probe interval, as a live controller run through a server decodes', {'replay build'}),
     '--proposer': ('the model that writes controllers', {'discover'}),
     '--critic': ('the model that reviews them', {'discover'}),
-    '--judge': ('the judge model (a name, a folder or a server URL)', {'judge', 'rl train'}),
+    '--judge': ('the judge model (a name, a folder or a server URL)', {'data hard-subset', 'judge', 'rl train'}),
     # sampling (tmas_nb.agents.SamplingConfig)
     '--temperature': ('sampling temperature', {'data hard-subset', 'judge', 'replay build', 'run'}),
     '--top-p': ('nucleus mass', {'data hard-subset', 'replay build', 'run'}),
@@ -77,6 +77,7 @@ FLAGS = {
     '--copy': ('copy instead of linking', {'data mirror'}),
     # methods and runs
     '--method': ('the method', {'run'}), '--preset': ("a paper's settings", {'discover', 'run', 'gateway'}),
+    '--rse-sampling': ("RSE's sampling under tmas-paper: its own row or TMAS's", {'run'}),
     '--print-config': ('print the resolved configuration and exit', {'run'}),
     '--yes': ('start a run on this CPU whose estimate exceeds an hour', {'run'}),
     '--role-endpoint': ("one agent role's own server and model", {'run', 'gateway'}),
@@ -125,6 +126,7 @@ FLAGS = {
     '--repeats': ('judgements per candidate', {'judge'}), '--scope': ('which candidates', {'judge'}),
     '--samples': ('samples per problem', {'data hard-subset'}), '--threshold': ('correct-sample threshold', {'data hard-subset'}),
     '--k': ('problems to pick', {'data hard-subset'}),
+    '--allow-cut': ('write the subset although more than 5 % of the samples were cut', {'data hard-subset'}),
     # serving
     '--upstream': ('the model server (or in-process model) a gateway sends its inner calls to', {'gateway'}),
     '--upstream-model': ("the model's name on --upstream", {'gateway'}),
@@ -147,7 +149,7 @@ FLAGS = {
     '--widths': ('widths to measure', {'engines calibrate'}), '--width': ('a width to show', {'engines show'}),
     '--batch': ('requests in the throughput batch', {'doctor'}), '--version': ('llama-cpp-python release', {'engines build-llama'}),
     '-p': ('a report parameter', {'report'}), '--param': ('a report parameter', {'report'}),
-    '--runs': ('run folders', {'rl data'}), '--objective': ('what the rows train', {'rl data'}),
+    '--runs': ('run folders (rl data); K independent runs, seeds into OUT/run-k (run)', {'rl data', 'run'}), '--objective': ('what the rows train', {'rl data'}),
     '--toy-problems': ('problems of the toy task', {'rl data', 'rl train'}), '--task': ('the training rows', {'rl train'}),
     '--reward': ('the reward', {'rl train'}), '--max-steps': ('optimiser steps', {'rl train'}),
     '--num-generations': ('G', {'rl train'}), '--max-completion-length': ('tokens per rollout', {'rl train'}),

@@ -215,12 +215,22 @@ def test_teacher_rows_mix_every_objective(tmp_path):
 
 
 def test_paper_config_and_the_shipped_accelerate_configs(tmp_path, capsys):
-    assert main(['rl', 'train', '--config', 'paper', '--task', 'x.parquet', '--out', str(tmp_path / 'p'), '--dry-run']) == 0
+    assert main(['rl', 'train', '--config', 'paper', '--task', 'x.parquet', '--out', str(tmp_path / 'p'), '--dry-run']) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith('tmas: error: --config paper: the paper judges') and '--judge' in err[0]
+    assert main(['rl', 'train', '--config', 'paper', '--task', 'x.parquet', '--judge', 'http://127.0.0.1:9/v1', '--out', str(tmp_path / 'p'),
+                 '--dry-run']) == 0
     d = json.loads(capsys.readouterr().out)
     s = d['settings']
     assert (s['model'], s['num_generations'], s['max_completion_length'], s['problems_per_step'], s['learning_rate'],
             s['max_steps'], s['epsilon'], s['epsilon_high'], s['delta'], s['entropy_coef'], s['kl_beta'], s['experience_beta']) == (
-        'Qwen/Qwen3-4B-Thinking-2507', 16, 81920, 8, 1e-6, 190, 0.2, 0.255, 10.0, 0.0, 0.0, 0.6)
+        'Qwen/Qwen3-4B-Thinking-2507', 16, 81920, 128, 1e-6, 190, 0.2, 0.255, 10.0, 0.0, 0.0, 0.6)
+    # verl's train_batch_size counts prompts: 128 prompts x 16 rollouts a step, 24,320 prompts in 190 steps, ~5.5 epochs of 4.4K rows
+    b = d['batch']
+    assert (b['prompts_per_step'], b['rollouts_per_step'], b['prompts_seen'], b['epochs_of_paper_rows']) == (128, 2048, 24_320, 5.53)
+    assert main(['rl', 'train', '--config', 'paper-rollouts-128', '--judge', 'x', '--out', str(tmp_path / 'q'), '--dry-run']) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert (d['batch']['rollouts_per_step'], d['batch']['epochs_of_paper_rows']) == (128, 0.35) and 'rollouts per step' in d['reading']
     assert 'SGLang' in d['trl_notes']['rollouts by SGLang with FP8'] and 'GPU' in d['needs']
     from tmas_nb.rl import TrainSettings, grpo_config, PRESETS
     import trl

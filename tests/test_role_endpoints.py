@@ -25,7 +25,7 @@ def test_rse_paper_with_solutions_and_distiller_on_two_servers(two_servers, tmp_
     out = tmp_path / 'run'
     argv = ['run', '--method', 'rse', '--benchmark', 'demo', '--limit', '1', '--preset', 'rse-paper', '--n-candidates', '2',
             '--iterations', '2', '--max-new-tokens', '12', '--backend', 'openai', '--base-url', a.url, '--model', 'solver',
-            '--role-endpoint', f'distiller={b.url},distiller', '--quiet', '--out', str(out)]
+            '--role-endpoint', f'distiller={b.url},distiller', '--runs', '1', '--quiet', '--out', str(out)]   # one of rse-paper's 8 runs
     with contextlib.redirect_stderr(io.StringIO()) as err: assert main(argv) == 0, err.getvalue()
     assert 'rule-graded, as the paper;' in err.getvalue()          # RSE checks answers by rule (TMAS: by an LLM judge)
     buf = io.StringIO()

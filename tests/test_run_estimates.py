@@ -121,6 +121,6 @@ def test_run_help_shows_every_default():
     sub = next(a for a in build_parser()._actions if hasattr(a, 'choices') and isinstance(a.choices, dict))
     blocks = {b.split()[0]: ' '.join(b.split()) for b in sub.choices['run'].format_help().split('\n  --')[1:]}
     for flag, shown in [('n-candidates', '(default: 8;'), ('n-verifications', '(default: tmas 8, others 1; cpu-demo: 1)'),
-                        ('epsilon', '(default: 0.2)'), ('max-new-tokens', '(default: 4096; tmas-paper: 128000; rse-paper: 38912; cpu-demo: 256)'),
+                        ('epsilon', '(default: 0.2)'), ('max-new-tokens', '(default: 4096; tmas-paper: rse 38912, others 128000; rse-paper: 38912; cpu-demo: 256)'),
                         ('concurrency', '(default: 4)'), ('iterations', 'tmas 20'), ('limit', '(default: every problem)')]:
         assert shown in blocks[flag], (flag, blocks[flag])

@@ -16,7 +16,7 @@ from .prompts import (render_solution_messages, render_verification_messages, re
                              render_experience_messages, render_guideline_messages, render_rse_messages,
                              render_distillation_messages, render_self_refine_messages,
                              render_verify_refine_messages, render_pacore_messages, parse_verification_score,
-                             parse_json_lists, EXPERIENCE_KEYS, GUIDELINE_KEYS, DISTILLATION_KEYS)
+                             parse_json_lists, system_in_user_turn, EXPERIENCE_KEYS, GUIDELINE_KEYS, DISTILLATION_KEYS)
 from .memory import ExperienceBank, GuidelineBank, RSEBank
 
 # %% auto #0
@@ -95,15 +95,17 @@ def request_tag(request: Request) -> dict | None:
 # %% ../nbs/21_agents.ipynb #ccfba82d
 @dataclass(frozen=True)
 class AgentContext:
-    "What the agent calls for one problem at one iteration share: sampling settings (with the run seed), the problem's id and question, the iteration (an RSE round), the prompt templates."
+    "What the agent calls for one problem at one iteration share: sampling settings (with the run seed), the problem's id and question, the iteration (an RSE round), the prompt templates, and whether system prompts go into the user turn."
     sampling: SamplingConfig
     problem_id: str
     question: str
     iteration: int = 0
     templates: Mapping[str, str] | None = None
+    system_in_user: bool = False          # RSE Appendix B.2: a backbone with a fixed system prompt (Phi-4-reasoning)
 
     def request(self, messages: list[dict], role: str, candidate: int, n: int = 1, seed_role: str | None = None) -> Request:
         "`SamplingConfig.request` for this problem and iteration, tagged with who asks: the seed derives from (run seed, problem, iteration, candidate, role)."
+        if self.system_in_user: messages = system_in_user_turn(messages)
         req = self.sampling.request(messages, role, self.problem_id, self.iteration, candidate, n=n, seed_role=seed_role)
         return tag_request(req, self.problem_id, self.iteration, candidate)
 
@@ -159,8 +161,8 @@ async def verify(llm: LLM, ctx: AgentContext, solution: str, candidate: int, n_v
 
 # %% ../nbs/21_agents.ipynb #4f86bc3a
 async def summarize(llm: LLM, ctx: AgentContext, solution: str, verification: Verification, candidate: int,
-                    max_words: int = 200) -> str:
-    "A compact summary of one candidate and its reviews."
+                    max_words: int | None = 200) -> str:
+    "A summary of one candidate and its reviews (at most `max_words` words; None: no cap, as the TMAS release)."
     msgs = render_summary_messages(ctx.question, solution, verification.reviews(), max_words=max_words, templates=ctx.templates)
     [[c]] = await llm.generate([ctx.request(msgs, 'summary', candidate)])
     return c.text.strip()
@@ -168,13 +170,14 @@ async def summarize(llm: LLM, ctx: AgentContext, solution: str, verification: Ve
 # %% ../nbs/21_agents.ipynb #97bad9d5
 @dataclass
 class MemoryUpdate:
-    "What one memory agent call did: which agent, whether a reply parsed, attempts used, items added, the error."
+    "What one memory agent call did: which agent, whether a reply parsed, attempts used, items added, the error (and for a distillation the parts it took)."
     agent: str
     ok: bool
     attempts: int
     added: int = 0
     error: str | None = None
     answer: dict | None = None
+    parts: int | None = None      # distillation: the calls one trajectory took (1 when it fit the distiller's context)
 
     def to_dict(self) -> dict: return asdict(self)
 

@@ -11,7 +11,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import pandas as pd
 
-from .runs import (Run, load_run, BANK_COLUMNS, TMAS_VARIANTS, tmas_variant, run_label, judge_columns,
+from .runs import (Run, load_run, protocol_name, RUNS_FILE, run_folders, BANK_COLUMNS, TMAS_VARIANTS, tmas_variant, run_label, judge_columns,
                           grading_label, carry_forward, pass_at_1_by_iteration)
 from .run_folder import best_candidates
 from .core import read_untrusted_text, UntrustedFileError
@@ -20,7 +20,7 @@ from .stats import (welch as _welch, significance_vs_baseline, problem_rates, pa
 
 # %% auto #0
 __all__ = ['RunData', 'read_run', 'SMALL_MODELS', 'BENCHMARK_SIZES', 'TRAININGS', 'PAPER_COLUMNS', 'ITEM_KINDS', 'expand_runs',
-           'read_runs', 'config_key', 'benchmark_name', 'is_small_setting', 'backbone', 'protocol_name', 'setting_note',
+           'read_runs', 'config_key', 'benchmark_name', 'is_small_setting', 'backbone', 'setting_note',
            'tmas_run_command', 'pass_at_1_table', 'iteration_table', 'rates_table', 'pool_runs', 'interval_table',
            'paired_table', 'paper_comparison', 'total_completion_tokens', 'tokens_by_method', 'verification_paradox',
            'unique_guidelines', 'bank_sizes', 'pareto_front', 'repeated_runs', 'display_names']
@@ -34,7 +34,7 @@ read_run = load_run
 
 # %% ../nbs/30_analysis.ipynb #766aa29d
 def expand_runs(runs: str | os.PathLike | Iterable[str | os.PathLike]) -> list[Path]:
-    "Run folders from a list of folders and/or glob patterns (or one pattern); only folders with a config.json."
+    "Run folders from a list of folders and/or glob patterns (or one pattern); only folders with a config.json (a folder of `tmas run --runs K` gives its K runs)."
     items = [runs] if isinstance(runs, (str, os.PathLike)) else list(runs)
     out: list[Path] = []
     for it in items:
@@ -42,6 +42,8 @@ def expand_runs(runs: str | os.PathLike | Iterable[str | os.PathLike]) -> list[P
         hits = sorted(glob.glob(s)) if glob.has_magic(s) else [s]
         for h in hits:
             p = Path(h)
+            if not (p / 'config.json').exists() and (p / RUNS_FILE).exists():   # `tmas run --runs K`: its K run folders
+                out += [q for q in run_folders(p) if q not in out]; continue
             if glob.has_magic(s) and not (p / 'config.json').exists(): continue
             if p not in out: out.append(p)
     if not out: raise FileNotFoundError(f"no run folders match {runs!r}; pass folders written by `tmas run --out DIR` or a glob such as 'runs/*'")
@@ -104,14 +106,6 @@ def backbone(config: dict) -> str:
     trained = _training_of(model)
     if trained: return f"{backbone({'model': trained[0]})} + {TRAININGS[trained[1]]}"
     return model.rstrip('/').split('/')[-1]
-
-# %% ../nbs/30_analysis.ipynb #26fb9f04
-def protocol_name(config: dict) -> str:
-    "The protocol a run followed: `config.json`'s `protocol` (a name, or an object with a name), else its preset, else 'none recorded'."
-    p = config.get('protocol')
-    if isinstance(p, dict): p = p.get('name') or p.get('protocol') or p.get('kind')
-    p = p or config.get('preset')
-    return str(p) if p else 'none recorded'
 
 # %% ../nbs/30_analysis.ipynb #26c46f79
 def setting_note(configs: Sequence[dict]) -> str:

@@ -11,7 +11,8 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from .analysis import backbone, benchmark_name, protocol_name
+from .analysis import backbone, benchmark_name
+from .runs import protocol_name
 from matplotlib.figure import Figure
 
 from .cli import UserError

@@ -5,75 +5,131 @@
 # %% ../nbs/24c_hard_subset.ipynb #f67e500e
 from __future__ import annotations
 import os, sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import pandas as pd
 from tqdm.auto import tqdm
 
 from .core import atomic_write_json
 from .data import SOLVE_PROMPT, Problem, first_k, hard_subset, load_benchmark, pick_subset, write_problem_ids
 from .grading import grade_many
+from .judge import judge_records, load_judge
 from .llm.core import Request, run_sync
 from .llm.loading import load_llm
+from .presets import PAPER_TOKEN_BUDGET
+from .runs import cap_to_context, context_of
 
 # %% auto #0
-__all__ = ['count_solves', 'build_hard_subset', 'hard_subset_cli']
+__all__ = ['CUT_LIMIT', 'SolveCounts', 'sample_solves', 'count_solves', 'build_hard_subset', 'full_budget', 'hard_subset_cli']
 
 # %% ../nbs/24c_hard_subset.ipynb #31d83263
-async def count_solves(llm, problems, samples: int = 8, prompt: str = SOLVE_PROMPT, temperature: float = 0.7,
-                       max_new_tokens: int = 1024, batch_size: int = 8, progress: bool = True, **request_kw) -> dict[str, int]:
-    "How many of `samples` sampled solutions of each problem are correct: `{problem id: count}`."
+@dataclass
+class SolveCounts:
+    "Per problem id: the correct samples and the samples cut by the token limit, of `samples` each."
+    samples: int
+    correct: dict[str, int] = field(default_factory=dict)
+    cut: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def cut_share(self) -> float:
+        "The share of all samples that the token limit cut off."
+        total = self.samples * len(self.cut)
+        return sum(self.cut.values()) / total if total else 0.0
+
+async def sample_solves(llm, problems, samples: int = 8, prompt: str = SOLVE_PROMPT, temperature: float = 0.7,
+                        max_new_tokens: int = 1024, batch_size: int = 8, progress: bool = True, judge=None,
+                        **request_kw) -> SolveCounts:
+    "Sample `samples` solutions of each problem and count the correct ones (rule grading, or the LLM `judge`) and the cut ones."
     problems = list(problems)
-    counts: dict[str, int] = {}
+    out = SolveCounts(samples)
     bar = tqdm(total=len(problems), desc='counting solves', unit='problem') if progress else None
     for start in range(0, len(problems), batch_size):
         chunk = problems[start:start + batch_size]
         reqs = [Request.from_prompt(prompt.format(question=p.question), role='solution', n=samples,
                                     temperature=temperature, max_new_tokens=max_new_tokens, **request_kw) for p in chunk]
         outs = await llm.generate(reqs)
-        texts, golds, frs, owners = [], [], [], []
-        for p, cs in zip(chunk, outs):
-            for c in cs: texts.append(c.text); golds.append(p.answer); frs.append(c.finish_reason); owners.append(p.id)
-        ok = grade_many(texts, golds, frs, progress=False)
-        for p in chunk: counts[p.id] = 0
-        for pid, good in zip(owners, ok): counts[pid] += int(good)
+        rows = [{'problem_id': p.id, 'iteration': 0, 'candidate': k, 'solution': c.text, 'gold': p.answer,
+                 'finish_reason': c.finish_reason} for p, cs in zip(chunk, outs) for k, c in enumerate(cs)]
+        ok = grade_many([r['solution'] for r in rows], [r['gold'] for r in rows], [r['finish_reason'] for r in rows], progress=False)
+        if judge is not None:
+            rec = pd.DataFrame(rows).assign(correct=ok)
+            ok = (await judge_records(judge, rec, {p.id: p.question for p in chunk}, runs=1, progress=False))[0][0]
+        for p in chunk: out.correct[p.id] = out.cut[p.id] = 0
+        for r, good in zip(rows, ok):
+            out.correct[r['problem_id']] += int(bool(good))
+            out.cut[r['problem_id']] += int(r['finish_reason'] == 'length')
         if bar is not None: bar.update(len(chunk))
     if bar is not None: bar.close()
-    return counts
+    return out
+
+# %% ../nbs/24c_hard_subset.ipynb #5a17fc66
+async def count_solves(llm, problems, samples: int = 8, **kw) -> dict[str, int]:
+    "How many of `samples` sampled solutions of each problem are correct: `{problem id: count}` (`sample_solves` without the cut counts)."
+    return (await sample_solves(llm, problems, samples, **kw)).correct
 
 # %% ../nbs/24c_hard_subset.ipynb #ba90d934
 async def build_hard_subset(llm, problems, samples: int = 8, threshold: int = 2, k: int = 50, seed: int = 0,
-                            progress: bool = True, **sample_kw) -> tuple[list[str], dict]:
-    "(ids of the hard subset, its record): solve counts of `samples` per problem, those below `threshold`, `k` of them by `seed`."
+                            progress: bool = True, judge=None, **sample_kw) -> tuple[list[str], dict]:
+    "(ids of the hard subset, its record): solve and cut counts of `samples` per problem, those below `threshold`, `k` of them by `seed`."
     problems = list(problems)
-    counts = await count_solves(llm, problems, samples=samples, progress=progress, seed=seed, **sample_kw)
-    pool = hard_subset(problems, counts, threshold)
+    counts = await sample_solves(llm, problems, samples=samples, progress=progress, seed=seed, judge=judge, **sample_kw)
+    pool = hard_subset(problems, counts.correct, threshold)
     chosen = pick_subset(pool, k, seed)
+    cut = sum(counts.cut.values())
     info = {'samples': samples, 'threshold': threshold, 'k': k, 'seed': seed, 'problems': len(problems),
-            'hard_pool': len(pool), 'chosen': len(chosen), 'solve_counts': counts}
+            'hard_pool': len(pool), 'chosen': len(chosen), 'cut_samples': cut, 'cut_share': round(counts.cut_share, 4),
+            'solve_counts': counts.correct, 'cut_counts': counts.cut}
     return [p.id for p in chosen], info
 
 # %% ../nbs/24c_hard_subset.ipynb #4a983ea0
+CUT_LIMIT = 0.05
+"Share of samples cut by the token limit above which `tmas data hard-subset` refuses to write a subset (without --allow-cut)."
+
+def full_budget(model: str, backend: str, base_url: str | None = None) -> tuple[int, str]:
+    "(max_new_tokens, why): TMAS's output budget capped to the model's context, so that the prompt still fits."
+    ctx, where = context_of(model, backend, base_url)
+    n = cap_to_context(PAPER_TOKEN_BUDGET, ctx)
+    if ctx is None: return n, f"TMAS's budget of {PAPER_TOKEN_BUDGET} tokens (the model's context is unknown here)"
+    return n, f"TMAS's budget of {PAPER_TOKEN_BUDGET} tokens capped to the model's context of {ctx} ({where})"
+
 def _cmd_hard_subset(args) -> int:
     os.environ.setdefault('HF_HUB_OFFLINE', '1')
     problems = load_benchmark(args.benchmark)
     if args.limit is not None: problems = first_k(problems, args.limit)
     out = Path(args.out)
     backend = 'openai' if args.model.startswith(('http://', 'https://')) else 'transformers'
+    budget, why = (args.max_new_tokens, '--max-new-tokens') if args.max_new_tokens else \
+        full_budget((args.served_model or 'default') if backend == 'openai' else args.model, backend, args.model if backend == 'openai' else None)
+    if not args.quiet: print(f"max_new_tokens {budget}: {why}", file=sys.stderr)
     kw = {'base_url': args.model} if backend == 'openai' else ({'num_threads': args.threads} if args.threads else {})
     llm = load_llm(args.served_model if backend == 'openai' else args.model, backend,
                    cache=str(out.with_name(out.name + '.calls.sqlite')), lazy=True, **kw)
+    judge = load_judge(args.judge, out.with_name(out.name + '.judge.sqlite'), threads=args.threads) if args.judge else None
     try:
         ids, info = run_sync(build_hard_subset(llm, problems, args.samples, args.threshold, args.k, args.seed,
-                                               progress=not args.quiet, temperature=args.temperature, top_p=args.top_p,
-                                               top_k=args.top_k, max_new_tokens=args.max_new_tokens))
-    finally: llm.close() if hasattr(llm, 'close') else None
-    counts = info.pop('solve_counts')
-    write_problem_ids(out, ids, {'made by': 'tmas data hard-subset', 'benchmark': args.benchmark, 'model': args.model, **info,
-                                 'temperature': args.temperature, 'top_p': args.top_p, 'top_k': args.top_k,
-                                 'max_new_tokens': args.max_new_tokens})
+                                               progress=not args.quiet, judge=judge, temperature=args.temperature, top_p=args.top_p,
+                                               top_k=args.top_k, max_new_tokens=budget))
+    finally:
+        for m in (llm, judge):
+            if m is not None and hasattr(m, 'close'): m.close()
+    counts = {'samples': info['samples'], 'solved': info.pop('solve_counts'), 'cut': info.pop('cut_counts'), 'max_new_tokens': budget,
+              'cut_share': info['cut_share']}
     atomic_write_json(out.with_name(out.name + '.counts.json'), counts)
+    cut = f"{info['cut_samples']} of {info['samples'] * info['problems']} samples ({info['cut_share']:.1%}) cut by the token limit of {budget}"
+    if info['cut_share'] > CUT_LIMIT and not args.allow_cut:
+        raise ValueError(f"{cut}: a cut sample has no answer, so its problem looks hard whatever the model could do, and the subset "
+                         f"would be close to a random draw; no subset written (the counts are in {out.name}.counts.json and the samples "
+                         f"in its call cache). Raise --max-new-tokens (its default is the model's full budget), or pass --allow-cut to "
+                         f"write it anyway (the file records it)")
+    write_problem_ids(out, ids, {'made by': 'tmas data hard-subset', 'benchmark': args.benchmark, 'model': args.model, **info,
+                                 'grading': f'LLM judge {args.judge}' if args.judge else 'rule-based answer check',
+                                 'temperature': args.temperature, 'top_p': args.top_p, 'top_k': args.top_k,
+                                 'max_new_tokens': budget, 'budget': why,
+                                 **({'allow_cut': f"written with --allow-cut although {info['cut_share']:.1%} of the samples were cut "
+                                                  f"(above {CUT_LIMIT:.0%})"} if info['cut_share'] > CUT_LIMIT else {})})
     print(f"{len(ids)} of {info['hard_pool']} hard problems (fewer than {args.threshold} of {args.samples} correct) "
-          f"among {info['problems']} -> {out}; ids: {', '.join(ids) or '(none)'}; use it with `tmas run --problem-ids {out}`",
+          f"among {info['problems']} -> {out}; {cut}; ids: {', '.join(ids) or '(none)'}; use it with `tmas run --problem-ids {out}`",
           file=sys.stderr)
     return 0
 
@@ -90,7 +146,11 @@ def hard_subset_cli(p) -> None:
     p.add_argument('--temperature', type=float, default=0.6, help='sampling temperature (default 0.6)')
     p.add_argument('--top-p', dest='top_p', type=float, default=0.95)
     p.add_argument('--top-k', dest='top_k', type=int, default=20)
-    p.add_argument('--max-new-tokens', dest='max_new_tokens', type=int, default=4096)
+    p.add_argument('--max-new-tokens', dest='max_new_tokens', type=int, default=None,
+                   help="tokens per sample (default: the model's full budget, TMAS's 128K capped to its context)")
+    p.add_argument('--allow-cut', dest='allow_cut', action='store_true',
+                   help=f'write the subset even when more than {CUT_LIMIT:.0%} of the samples were cut by the token limit (the file records it)')
+    p.add_argument('--judge', default=None, help="grade the samples with this LLM judge (a model name, a folder or an OpenAI-compatible URL) instead of the rules")
     from tmas_nb.settings import positive_int
     p.add_argument('--limit', type=positive_int, default=None, help='only the first N problems (a quick check)')
     p.add_argument('--threads', type=int, default=None, help='torch CPU threads')

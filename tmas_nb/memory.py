@@ -16,14 +16,15 @@ from .core import atomic_write_json
 
 # %% auto #0
 __all__ = ['TMAS_DEDUP_THRESHOLD', 'RSE_DEDUP_THRESHOLD', 'MINILM_PACKAGE', 'MINILM_REQUIREMENT', 'Embedder', 'minilm_dir',
-           'load_minilm', 'MiniLMEmbedder', 'default_embedder', 'HashingEmbedder', 'MemoryItem', 'MergeRecord',
-           'as_item', 'deduplicate', 'admit', 'BankUpdate', 'ExperienceBank', 'RSEBank', 'UpdateEvent', 'GuidelineBank']
+           'load_minilm', 'MiniLMEmbedder', 'default_embedder', 'HashingEmbedder', 'WordJaccard', 'similarity_matrix',
+           'similarity_name', 'MemoryItem', 'MergeRecord', 'as_item', 'deduplicate', 'admit', 'BankUpdate',
+           'ExperienceBank', 'RSEBank', 'UpdateEvent', 'GuidelineBank']
 
 # %% ../nbs/22_memory.ipynb #85941a01
 _logger = logging.getLogger(__name__)
 
 TMAS_DEDUP_THRESHOLD = 0.7
-"Cosine similarity above which two TMAS bank items count as the same (experience and guideline banks)."
+"Similarity above which two TMAS bank items count as the same (experience and guideline banks): word-set Jaccard in `--preset tmas-paper`, as the release."
 
 RSE_DEDUP_THRESHOLD = 0.8
 "Cosine similarity above which two RSE bank items count as the same."
@@ -98,6 +99,35 @@ class HashingEmbedder:
             for w in re.findall(r'\w+', t.lower()): out[i, zlib.crc32(w.encode()) % self.dim] += 1.0
         return _normalise_rows(out)
 
+# %% ../nbs/22_memory.ipynb #4d70d732
+class WordJaccard:
+    "Word-set Jaccard similarity (|A ∩ B| / |A ∪ B| of the lower-cased words), the TMAS release's de-duplication; takes an embedder's place."
+    name = 'jaccard'
+    def words(self, text: str) -> frozenset: return frozenset(re.findall(r'\w+', text.lower()))
+
+    def pairwise(self, rows: Sequence[str], cols: Sequence[str]) -> np.ndarray:
+        "The Jaccard similarity of each of `rows` (one per row) to each of `cols`; two texts without words are 0 apart from equal ones."
+        a, b = [self.words(t) for t in rows], [self.words(t) for t in cols]
+        out = np.zeros((len(a), len(b)), dtype=np.float32)
+        for i, x in enumerate(a):
+            for j, y in enumerate(b):
+                u = len(x | y)
+                out[i, j] = len(x & y) / u if u else float(rows[i].strip().lower() == cols[j].strip().lower())
+        return out
+
+# %% ../nbs/22_memory.ipynb #2293674f
+def similarity_matrix(embedder, rows: Sequence[str], cols: Sequence[str]) -> np.ndarray:
+    "Similarity of each of `rows` to each of `cols`: the embedder's own `pairwise` table (e.g. `WordJaccard`), else the cosine of its vectors (all-MiniLM-L6-v2 when None)."
+    if hasattr(embedder, 'pairwise'): return np.asarray(embedder.pairwise(list(rows), list(cols)), dtype=np.float32)
+    v = _normalise_rows((embedder or default_embedder())(list(rows) + list(cols)))
+    return v[:len(rows)] @ v[len(rows):].T
+
+def similarity_name(embedder) -> str:
+    "How a bank compares items, for its record: 'jaccard', 'cosine:minilm', 'cosine:hashing' or 'cosine:<class name>'."
+    if hasattr(embedder, 'pairwise'): return getattr(embedder, 'name', type(embedder).__name__)
+    if embedder is None or isinstance(embedder, MiniLMEmbedder): return 'cosine:minilm'
+    return 'cosine:hashing' if isinstance(embedder, HashingEmbedder) else f'cosine:{type(embedder).__name__}'
+
 # %% ../nbs/22_memory.ipynb #3f983ed9
 @dataclass
 class MemoryItem:
@@ -158,14 +188,14 @@ def deduplicate(items: Iterable[Any], tau: float, embedder: Embedder | None = No
     order = sorted(best.values(), key=lambda it: (-it.round, -len(it.text)))
     keys = [_key(it.text) for it in order]
     heads: list[int] = []
-    vecs = None
+    table = None
     for i, it in enumerate(order):
         sub = next((h for h in heads if keys[i] in keys[h]), None)
         if sub is not None:
             log.append(MergeRecord(it.text, it.round, order[sub].text, order[sub].round, 'substring', None)); continue
         if heads:
-            if vecs is None: vecs = _normalise_rows((embedder or default_embedder())([x.text for x in order]))
-            sims = vecs[heads] @ vecs[i]
+            if table is None: table = similarity_matrix(embedder, [x.text for x in order], [x.text for x in order])
+            sims = table[heads, i]
             j = int(np.argmax(sims))
             if float(sims[j]) > tau:
                 h = heads[j]
@@ -182,8 +212,9 @@ def admit(bank: Sequence[MemoryItem], new: Iterable[Any], tau: float, embedder: 
     heads = list(bank)
     items = [as_item(x, round, where=f'item {i}') for i, x in enumerate(new)]
     items = [it for it in items if it.text]
-    keys, log, vecs = [_key(h.text) for h in heads], [], None
-    for it in items:
+    keys, log, table, n0 = [_key(h.text) for h in heads], [], None, len(heads)
+    rows = list(range(n0))                             # each head's row in `table` (bank items, then the new items)
+    for n, it in enumerate(items):
         k = _key(it.text)
         j = next((j for j, hk in enumerate(keys) if k == hk), None)
         reason, sim = ('exact', 1.0) if j is not None else (None, None)
@@ -191,16 +222,15 @@ def admit(bank: Sequence[MemoryItem], new: Iterable[Any], tau: float, embedder: 
             j = next((j for j, hk in enumerate(keys) if k in hk), None)
             if j is not None: reason = 'substring'
         if j is None and heads:
-            if vecs is None:
-                allv = _normalise_rows((embedder or default_embedder())([h.text for h in heads] + [x.text for x in items]))
-                vecs, pending = list(allv[:len(heads)]), {id(x): v for x, v in zip(items, allv[len(heads):])}
-            sims = np.stack(vecs) @ pending[id(it)]
+            if table is None:
+                texts = [h.text for h in heads[:n0]] + [x.text for x in items]
+                table = similarity_matrix(embedder, texts, texts)
+            sims = table[n0 + n, rows]
             best = int(np.argmax(sims))
             if float(sims[best]) > tau: j, reason, sim = best, 'similarity', _rounded(float(sims[best]))
         if j is not None:
             log.append(MergeRecord(it.text, it.round, heads[j].text, heads[j].round, reason, sim)); continue
-        heads.append(it); keys.append(k)
-        if vecs is not None: vecs.append(pending[id(it)])
+        heads.append(it); keys.append(k); rows.append(n0 + n)
     return heads, log
 
 # %% ../nbs/22_memory.ipynb #1d64c894
@@ -324,8 +354,8 @@ def snapshot(self:_DedupBank) -> dict:
 # %% ../nbs/22_memory.ipynb #db30de60
 @patch
 def to_dict(self:_DedupBank) -> dict:
-    "Everything needed to resume: contents, τ and the update events."
-    return {**self.snapshot(), 'version': 1, 'tau': self.tau, 'events': [e.to_dict() for e in self.events]}
+    "Everything needed to resume: contents, τ, how items were compared, and the update events."
+    return {**self.snapshot(), 'version': 1, 'tau': self.tau, 'similarity': similarity_name(self.embedder), 'events': [e.to_dict() for e in self.events]}
 
 # %% ../nbs/22_memory.ipynb #f3696995
 @patch(cls_method=True)
@@ -431,9 +461,7 @@ def update(self:GuidelineBank, new_list: Iterable[Any], round: int = 0) -> Updat
         if sub is not None:
             ev.merged.append(MergeRecord(t, int(round), sub.text, sub.round, 'substring', None)); continue
         if vecs_needed:
-            emb = self.embedder or default_embedder()
-            v = _normalise_rows(emb([t] + [h.text for h in heads]))
-            sims = v[1:] @ v[0]
+            sims = similarity_matrix(self.embedder, [t], [h.text for h in heads])[0]
             j = int(np.argmax(sims))
             if float(sims[j]) > self.tau:
                 ev.merged.append(MergeRecord(t, int(round), heads[j].text, heads[j].round, 'similarity',
@@ -460,7 +488,7 @@ def snapshot(self:GuidelineBank) -> dict:
 @patch
 def to_dict(self:GuidelineBank) -> dict:
     "Everything needed to resume: strategies, settings and the update events."
-    return {**self.snapshot(), 'version': 1, 'tau': self.tau, 'rewrite_ratio': self.rewrite_ratio,
+    return {**self.snapshot(), 'version': 1, 'tau': self.tau, 'similarity': similarity_name(self.embedder), 'rewrite_ratio': self.rewrite_ratio,
             'events': [e.to_dict() for e in self.events]}
 
 # %% ../nbs/22_memory.ipynb #66416426

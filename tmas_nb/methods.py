@@ -19,22 +19,23 @@ from .llm.core import LLM, Completion
 from .agents import (SamplingConfig, AgentContext, TMAS_ROLE_SAMPLING, DISTILL_MAX_CHARS, rollout_trajectory, Verification, MemoryUpdate, MeteredLLM, compact_calls, derive_rng, is_fully_verified,
                             solve, verify, summarize, update_experience, update_guidelines, distill, rse_rollouts,
                             sample, self_refine, verify_refine, pacore, apply_distillation)
-from .memory import (ExperienceBank, GuidelineBank, RSEBank, HashingEmbedder, TMAS_DEDUP_THRESHOLD,
+from .prompts import render_pacore_messages, strip_thinking
+from .memory import (ExperienceBank, GuidelineBank, RSEBank, HashingEmbedder, WordJaccard, TMAS_DEDUP_THRESHOLD,
                             RSE_DEDUP_THRESHOLD)
 from .grading import extract_answer, clean_answer, grade_many_detail
 from .data import Problem
 
 # %% auto #0
-__all__ = ['EMBEDDERS', 'RSE_DEDUP', 'DISTILL_CONTEXT', 'CHARS_PER_TOKEN', 'PROMPT_ROOM', 'IRRELEVANT_ITEMS', 'RECORD_COLUMNS',
-           'METHODS', 'MethodConfig', 'TMASConfig', 'RSEConfig', 'estimate_tokens', 'distill_budget',
+__all__ = ['EMBEDDERS', 'TMAS_EPSILON', 'RSE_DEDUP', 'DISTILL_CONTEXT', 'CHARS_PER_TOKEN', 'PROMPT_ROOM', 'IRRELEVANT_ITEMS',
+           'RECORD_COLUMNS', 'METHODS', 'MethodConfig', 'TMASConfig', 'RSEConfig', 'estimate_tokens', 'distill_budget',
            'trajectory_chunks', 'distill_whole', 'prompt_items', 'BaselineConfig', 'candidate', 'problem_category',
            'records_frame', 'StepResult', 'Method', 'TMAS', 'RSE', 'Sampling', 'answer_clusters', 'majority_answer',
-           'MajorityVote', 'SelfRefine', 'VerifyRefine', 'PaCoRe', 'make_method', 'problem_dir_name', 'checkpoint_path',
-           'bank_path', 'bank_items', 'iter_checkpoints', 'read_checkpoints', 'read_problem_checkpoints', 'run_problem',
-           'run_method']
+           'MajorityVote', 'SelfRefine', 'VerifyRefine', 'fit_references', 'PaCoRe', 'make_method', 'problem_dir_name',
+           'checkpoint_path', 'bank_path', 'bank_items', 'iter_checkpoints', 'read_checkpoints',
+           'read_problem_checkpoints', 'run_problem', 'run_method']
 
 # %% ../nbs/23_methods.ipynb #7b608a4b
-EMBEDDERS = ('minilm', 'hashing')
+EMBEDDERS = ('minilm', 'hashing', 'jaccard')
 
 @dataclass
 class MethodConfig:
@@ -52,6 +53,7 @@ class MethodConfig:
     embedder: str = 'minilm'
     templates: dict = field(default_factory=dict)
     answer_from_truncated: bool = False                    # grade a cut-off output's last finished box (lenient)
+    system_in_user: bool = False                           # system prompts go into the user turn (RSE App. B.2, Phi-4)
 
     DEFAULT_ROLE_SAMPLING = {}   # the method's per-role sampling; `role_sampling` overrides it role by role, setting by setting
 
@@ -92,8 +94,8 @@ def sampling(self:MethodConfig) -> SamplingConfig:
 # %% ../nbs/23_methods.ipynb #31af8db5
 @patch
 def make_embedder(self:MethodConfig):
-    "The embedder of the memory banks: None (all-MiniLM-L6-v2, loaded on first use) or a `HashingEmbedder`."
-    return HashingEmbedder() if self.embedder == 'hashing' else None
+    "How the memory banks compare items: None (all-MiniLM-L6-v2 cosine, loaded on first use), a `HashingEmbedder`, or `WordJaccard` (the TMAS release)."
+    return {'hashing': HashingEmbedder, 'jaccard': WordJaccard}.get(self.embedder, lambda: None)()
 
 # %% ../nbs/23_methods.ipynb #3074f959
 @patch
@@ -109,6 +111,9 @@ def from_dict(cls:MethodConfig, d: dict, where: str = 'config') -> MethodConfig:
     return cls(**d)
 
 # %% ../nbs/23_methods.ipynb #28624f00
+TMAS_EPSILON = 0.2
+"TMAS's exploration probability (§4); the arm without guidelines has no explore branch, so its default is 0."
+
 @dataclass
 class TMASConfig(MethodConfig):
     "TMAS: N candidates, M verifications each, T iterations, exploration probability ε, two memory banks."
@@ -116,20 +121,26 @@ class TMASConfig(MethodConfig):
     n_candidates: int = 8
     n_verifications: int = 8
     iterations: int = 20
-    epsilon: float = 0.2
+    epsilon: float | None = None           # None: TMAS_EPSILON, or 0 without guidelines (the paper's ablation arm)
     use_experience: bool = True
     use_guidelines: bool = True
     max_rollouts: int | None = None
     early_stop: bool = False
     dedup_threshold: float = TMAS_DEDUP_THRESHOLD
-    summary_words: int = 200
+    summary_words: int | None = 200        # the summary's word cap (ours); None: no cap, as the release
     update_memory_after_last: bool = False
+
+    def __post_init__(self):
+        if self.epsilon is None: self.epsilon = TMAS_EPSILON if self.use_guidelines else 0.0
+        super().__post_init__()
 
     def validate(self):
         super().validate()
         if not isinstance(self.n_verifications, int) or self.n_verifications < 0:
             raise ValueError(f"TMASConfig.n_verifications: must be an integer >= 0 (0 turns verification off), got {self.n_verifications!r}")
         if not 0 <= self.epsilon <= 1: raise ValueError(f"TMASConfig.epsilon: must be in [0, 1], got {self.epsilon!r}")
+        if self.summary_words is not None and (not isinstance(self.summary_words, int) or self.summary_words < 1):
+            raise ValueError(f"TMASConfig.summary_words: must be None (no cap) or an integer >= 1, got {self.summary_words!r}")
         if self.max_rollouts is not None and self.max_rollouts < 0: raise ValueError(f"TMASConfig.max_rollouts: must be None or >= 0, got {self.max_rollouts!r}")
         return self
 
@@ -209,18 +220,18 @@ def trajectory_chunks(rollout: Completion | str, budget: int, measure=estimate_t
 
 # %% ../nbs/23_methods.ipynb #36d63ff2
 async def distill_whole(llm, ctx: AgentContext, rollout: Completion, candidate: int, config: RSEConfig) -> MemoryUpdate:
-    "Distil every part of `rollout`'s trajectory (`trajectory_chunks`) and merge the items in order; one part is one `distill` call as before."
+    "Distil every part of `rollout`'s trajectory (`trajectory_chunks`) and merge the items in order; the update records how many parts (calls) it took."
     if config.distill_max_chars: parts = trajectory_chunks(rollout, config.distill_max_chars, len)
     else: parts = trajectory_chunks(rollout, distill_budget(config))
     if len(parts) == 1:
         whole = config.distill_max_chars or 2 * len(parts[0]) + 400
-        return await distill(llm, ctx, rollout, None, candidate, config.mode, config.memory_retries, whole)
+        return dataclasses.replace(await distill(llm, ctx, rollout, None, candidate, config.mode, config.memory_retries, whole), parts=1)
     ups = [await distill(llm, ctx, p, None, candidate, config.mode, config.memory_retries, 2 * len(p) + 400) for p in parts]
     ok = [u for u in ups if u.ok]
     answer = {'verified_propositions': [x for u in ok for x in u.answer.get('verified_propositions', [])],
-              'critical_pitfalls': [x for u in ok for x in u.answer.get('critical_pitfalls', [])], 'parts': len(parts)}
+              'critical_pitfalls': [x for u in ok for x in u.answer.get('critical_pitfalls', [])]}
     err = None if ok else ups[-1].error
-    return MemoryUpdate('distillation', bool(ok), sum(u.attempts for u in ups), 0, err, answer if ok else None)
+    return MemoryUpdate('distillation', bool(ok), sum(u.attempts for u in ups), 0, err, answer if ok else None, parts=len(parts))
 
 # %% ../nbs/23_methods.ipynb #724ed85b
 IRRELEVANT_ITEMS = {
@@ -258,12 +269,18 @@ def _pick(items: list, k: int, rng) -> list:
 class BaselineConfig(MethodConfig):
     "Sampling, majority vote, Self-Refine, Verify-Refine and PaCoRe-style rounds."
     n_verifications: int = 1
+    refine_verified: bool = True            # verify-refine: also correct a candidate every review scored 1 (False: keep it as it is)
     max_references: int | None = None
+    reference_max_tokens: int | None = None # PaCoRe: each reference cut to its last this many tokens (RSE App. B.2 for Phi-4: 4K)
+    prompt_max_tokens: int | None = None    # PaCoRe: references dropped from the end until the prompt fits (RSE App. B.2: 20K)
 
     def validate(self):
         super().validate()
         if not isinstance(self.n_verifications, int) or self.n_verifications < 1:
             raise ValueError(f"BaselineConfig.n_verifications: must be an integer >= 1 (reviews per candidate in verify-refine), got {self.n_verifications!r}")
+        for f in ('reference_max_tokens', 'prompt_max_tokens'):
+            v = getattr(self, f)
+            if v is not None and (not isinstance(v, int) or v < 64): raise ValueError(f"BaselineConfig.{f}: must be None or an integer >= 64 (tokens), got {v!r}")
         return self
 
 # %% ../nbs/23_methods.ipynb #da0f9b4b
@@ -336,8 +353,8 @@ class Method:
     def load_bank(self, name: str, path) -> Any: raise KeyError(name)
     def is_last(self, iteration: int) -> bool: return iteration >= self.n_iterations - 1
     def context(self, problem: Problem, iteration: int) -> AgentContext:
-        "What the agent calls for `problem` at `iteration` share: the sampling settings, the problem, the iteration, the templates."
-        return AgentContext(self.sampling, problem.id, problem.question, iteration, self.config.templates)
+        "What the agent calls for `problem` at `iteration` share: the sampling settings, the problem, the iteration, the templates, where system prompts go."
+        return AgentContext(self.sampling, problem.id, problem.question, iteration, self.config.templates, self.config.system_in_user)
 
     async def step(self, llm: LLM, problem: Problem, state: dict, banks: dict, iteration: int) -> StepResult:
         raise NotImplementedError
@@ -500,25 +517,45 @@ class SelfRefine(Method):
 
 # %% ../nbs/23_methods.ipynb #da72a0c7
 class VerifyRefine(Method):
-    "N samples, reviewed; each then corrected with its reviews as feedback and reviewed again."
+    "N samples, reviewed; each then corrected with its reviews as feedback and reviewed again (a candidate every review scored 1 is kept as it is unless `refine_verified`)."
     name = 'verify-refine'
     async def step(self, llm, problem, state, banks, iteration):
         c, ctx = self.config, self.context(problem, iteration)
         if iteration == 0:
-            cs, branch = await sample(llm, ctx, c.n_candidates), 'sample'
+            cs = await sample(llm, ctx, c.n_candidates)
             vers = await asyncio.gather(*[verify(llm, ctx, x.final_response, k, c.n_verifications)
                                           for k, x in enumerate(cs)])
+            cands = [candidate('sample', x, verification=v, n_verifications=c.n_verifications) for x, v in zip(cs, vers)]
+            texts = [x.final_response for x in cs]
         else:
-            async def one(k, t, fb):
+            scores = state.get('scores') or [[] for _ in state['solutions']]   # a checkpoint of an older version: none kept
+            async def one(k, t, fb, sc):
+                if not c.refine_verified and sc and all(s == 1.0 for s in sc):   # every review says correct: keep it
+                    v = Verification(list(fb), list(sc))
+                    return candidate('kept', None, solution=t, verification=v, n_verifications=c.n_verifications), t, v
                 x = await verify_refine(llm, ctx, t, fb, k)
-                return x, await verify(llm, ctx, x.final_response, k, c.n_verifications)
-            cs, vers = zip(*await asyncio.gather(*[one(k, t, fb) for k, (t, fb) in
-                                                   enumerate(zip(state['solutions'], state['feedback']))]))
-            branch = 'verify-refine'
-        cands = [candidate(branch, x, verification=v, n_verifications=c.n_verifications) for x, v in zip(cs, vers)]
-        return StepResult(cands, {'solutions': [x.final_response for x in cs], 'feedback': [v.texts for v in vers]})
+                v = await verify(llm, ctx, x.final_response, k, c.n_verifications)
+                return candidate('verify-refine', x, verification=v, n_verifications=c.n_verifications), x.final_response, v
+            cands, texts, vers = zip(*await asyncio.gather(*[one(k, t, fb, sc) for k, (t, fb, sc) in
+                                                             enumerate(zip(state['solutions'], state['feedback'], scores))]))
+        return StepResult(list(cands), {'solutions': list(texts), 'feedback': [v.texts for v in vers], 'scores': [v.scores for v in vers]})
 
 # %% ../nbs/23_methods.ipynb #ac2a2a70
+def fit_references(question: str, references: Sequence[str], config: BaselineConfig, templates=None) -> list[str]:
+    "PaCoRe's references cut to a small context (RSE App. B.2): each to its last `reference_max_tokens`, then the last ones dropped until the prompt has at most `prompt_max_tokens`."
+    refs, cap = list(references), config.reference_max_tokens
+    if cap:
+        for i, r in enumerate(refs):
+            body = strip_thinking(r)
+            if estimate_tokens(body) > cap:
+                k = len(body)
+                while k > 0 and estimate_tokens(body[-k:]) > cap - 8: k = int(k * 0.9)
+                refs[i] = '...' + body[-k:]
+    if config.prompt_max_tokens:
+        size = lambda rs: sum(estimate_tokens(m['content']) for m in render_pacore_messages(question, rs, templates=templates))
+        while len(refs) > 1 and size(refs) > config.prompt_max_tokens: refs.pop()
+    return refs
+
 class PaCoRe(Method):
     "Rounds of N solutions, each round seeing the previous round's solutions as references."
     name = 'pacore'
@@ -527,7 +564,8 @@ class PaCoRe(Method):
         if iteration == 0:
             cs, branch = await sample(llm, ctx, c.n_candidates), 'sample'
         else:
-            cs = await asyncio.gather(*[pacore(llm, ctx, state['solutions'], k, c.max_references) for k in range(c.n_candidates)])
+            refs = fit_references(problem.question, state['solutions'], c, c.templates)
+            cs = await asyncio.gather(*[pacore(llm, ctx, refs, k, c.max_references) for k in range(c.n_candidates)])
             branch = 'pacore'
         return StepResult([candidate(branch, x) for x in cs], {'solutions': [x.final_response for x in cs]})
 

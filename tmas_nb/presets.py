@@ -10,15 +10,17 @@ from dataclasses import dataclass
 import pandas as pd
 
 # %% auto #0
-__all__ = ['PAPER_TOKEN_BUDGET', 'TMAS_PAPER', 'RSE_SAMPLING_ROWS', 'PROTOCOLS', 'JUDGE_HINT', 'CPU_DEMO', 'PRESETS', 'OWN_PAPER',
-           'Cited', 'rse_sampling_family', 'rse_sampling', 'rse_paper', 'paper_table', 'preset_values', 'preset_table']
+__all__ = ['PAPER_TOKEN_BUDGET', 'TMAS_PAPER', 'RSE_SAMPLING_ROWS', 'RSE_SAMPLINGS', 'PHI4_CONTEXT_CUTS', 'PROTOCOLS',
+           'JUDGE_HINT', 'CPU_DEMO', 'PRESETS', 'OWN_PAPER', 'Cited', 'rse_sampling_family', 'rse_sampling',
+           'tmas_paper', 'backbone_settings', 'rse_paper', 'paper_table', 'preset_values', 'preset_table']
 
 # %% ../nbs/24b_presets.ipynb #9fd734ed
 @dataclass(frozen=True)
 class Cited:
-    "A preset value and its source (paper section, table or the authors' script)."
+    "A preset value and its source (paper section, table or the authors' script); `assumed` when the paper is silent and the source gives the reason for the value chosen."
     value: object
     source: str
+    assumed: bool = False
 
 # %% ../nbs/24b_presets.ipynb #a8daf6a8
 PAPER_TOKEN_BUDGET = 128_000
@@ -31,18 +33,34 @@ _TMAS_SAMPLING = {'temperature': Cited(1.0, _T4), 'top_p': Cited(0.95, _T4), 'ma
 _TMAS_ROLES = Cited({'summary': {'temperature': 0.6}, 'experience': {'temperature': 0.6}, 'guideline': {'temperature': 0.6}},
                     'TMAS §3 agents: summary, experience and guideline at temperature 0.6; solution and verification at 1.0')
 
+_RELEASE = "TMAS authors' release"
 TMAS_PAPER = {
     'tmas': {'n_candidates': Cited(8, _T4), 'n_verifications': Cited(8, _T4), 'iterations': Cited(20, _T4),
-             'epsilon': Cited(0.2, _T4), **_TMAS_SAMPLING, 'role_sampling': _TMAS_ROLES},
+             'epsilon': Cited(0.2, _T4), **_TMAS_SAMPLING, 'role_sampling': _TMAS_ROLES,
+             'embedder': Cited('jaccard', _RELEASE + ": both banks are PersistentMemory(threshold=0.7), README: de-duplicated by Jaccard "
+                               "similarity; read as the Jaccard similarity of the two texts' sets of lower-cased words (the tokenisation "
+                               "is not published)"),
+             'dedup_threshold': Cited(0.7, _RELEASE + ': PersistentMemory(threshold=0.7) for the experience and guideline banks'),
+             'summary_words': Cited(None, _RELEASE + ": the summary agent condenses the M verifications with no word limit "
+                                    "(the 200-word cap is ours; summary_words keeps it)")},
     'mv': {'n_candidates': Cited(64, _TB + ': MV@64'), **_TMAS_SAMPLING},
     'self-refine': {'n_candidates': Cited(8, _TB + ': 8 parallel solutions, each refined independently'),
                     'iterations': Cited(20, _T1), **_TMAS_SAMPLING},
     'verify-refine': {'n_candidates': Cited(8, _TB + ': V-R at the 8-solution budget'), 'iterations': Cited(20, _T1),
-                      'n_verifications': Cited(1, _TB + ': one verifier judgement, then the corrector'), **_TMAS_SAMPLING},
+                      'n_verifications': Cited(1, _TB + " says a verifier judges and a corrector fixes, not how many reviews: "
+                                           "one, the single verifier judgement of the verify-then-correct loop it names", assumed=True),
+                      'refine_verified': Cited(False, _TB + " does not say whether a solution the verifier passes is corrected: "
+                                           "kept as it is, since a verify-then-correct loop corrects only what the verifier "
+                                           "found wrong (refine_verified keeps our earlier behaviour)", assumed=True),
+                      **_TMAS_SAMPLING},
     'pacore': {'n_candidates': Cited(8, _TB + ': num_responses_per_round=8, N_COMPLETIONS=8'), 'iterations': Cited(20, _T1),
                **_TMAS_SAMPLING},
-    'rse': {'n_candidates': Cited(8, _TB + ': the 8-solution budget of every method (official RSE code, inputs adapted)'),
-            'iterations': Cited(20, _T1), **_TMAS_SAMPLING},
+    'rse': {'n_candidates': Cited(8, _TB + " runs RSE's official code with inputs adapted and gives its rollouts per round "
+                                  "nowhere; K=8, the budget it aligns PaCoRe to (8 parallel solutions) for a fair comparison", assumed=True),
+            'iterations': Cited(20, _T1),
+            'embedder': Cited('minilm', "RSE Appendix B.1 (all-MiniLM-L6-v2), the de-duplication of RSE's official code that TMAS ran", assumed=True),
+            'dedup_threshold': Cited(0.8, "RSE Appendix B.1 (cosine 0.8), as RSE's official code that TMAS ran", assumed=True),
+            **_TMAS_SAMPLING},
     'sampling': {'n_candidates': Cited(8, 'TMAS It0: N=8 independent solutions'), 'iterations': Cited(1, 'one round of samples'),
                  **_TMAS_SAMPLING},
 }
@@ -75,6 +93,32 @@ def rse_sampling(model: str) -> dict[str, Cited]:
     t, p, k, n, src = RSE_SAMPLING_ROWS[fam]
     where = f'{_RB1}, {fam} row'
     return {'temperature': Cited(t, where), 'top_p': Cited(p, where), 'top_k': Cited(k, where), 'max_new_tokens': Cited(n, src)}
+
+# %% ../nbs/24b_presets.ipynb #11bcfbf3
+RSE_SAMPLINGS = ('rse', 'tmas')
+"How RSE samples under `tmas-paper`: RSE's own row for the backbone (the default), or TMAS's sampling."
+
+def tmas_paper(model: str = '', rse_row: str = 'rse') -> dict[str, dict[str, Cited]]:
+    "`--preset tmas-paper` for `model`: `TMAS_PAPER`, RSE sampling with its own row for the backbone (`rse_row='rse'`) or TMAS's (`'tmas'`)."
+    if rse_row not in RSE_SAMPLINGS: raise ValueError(f"--rse-sampling {rse_row!r}: use one of {', '.join(RSE_SAMPLINGS)}")
+    if rse_row == 'tmas': return TMAS_PAPER
+    why = ("; TMAS ran RSE's official implementation, whose scripts sample so (the paper does not say; "
+           "--rse-sampling tmas gives RSE TMAS's sampling)")
+    own = {k: Cited(c.value, c.source + why, assumed=True) for k, c in rse_sampling(model).items()}
+    return {**TMAS_PAPER, 'rse': {**TMAS_PAPER['rse'], **own}}
+
+# %% ../nbs/24b_presets.ipynb #3b7bf4d0
+_RB2 = 'RSE Appendix B.2 model-specific adaptations'
+PHI4_CONTEXT_CUTS = {'reference_max_tokens': Cited(4096, _RB2 + ": PaCoRe's references truncated to 4k tokens each; read as 4,096 "
+                                                   "tokens, the end of each kept (where its answer is)", assumed=True),
+                     'prompt_max_tokens': Cited(20_480, _RB2 + ": PaCoRe's input capped at 20k tokens (a 12k generation buffer in "
+                                                "the 32k window); read as 20,480, references dropped from the end until it fits", assumed=True)}
+
+def backbone_settings(model: str, method: str) -> dict[str, Cited]:
+    "What the backbone changes whatever the preset (RSE Appendix B.2): for Phi-4-reasoning the system prompt goes into the user turn, and PaCoRe's references are cut to its 32K window."
+    if rse_sampling_family(model) != ('Phi-4-reasoning', True): return {}
+    out = {'system_in_user': Cited(True, _RB2 + ': Phi-4 implies a fixed system prompt, so the system instructions are prepended to the user prompt')}
+    return {**out, **(PHI4_CONTEXT_CUTS if method == 'pacore' else {})}
 
 # %% ../nbs/24b_presets.ipynb #07783b4a
 _R41 = 'RSE §4.1 implementation details'
@@ -118,24 +162,27 @@ CPU_DEMO = {   # with --limit 2: minutes on an idle 2-core CPU (`tmas run --dry-
 PRESETS = ('tmas-paper', 'rse-paper', 'paper', 'cpu-demo')
 OWN_PAPER = {'tmas': 'tmas-paper', 'rse': 'rse-paper'}
 
-def paper_table(preset: str, model: str = '') -> dict[str, dict[str, Cited]]:
-    "The cited settings of every method under `preset` ('tmas-paper' or 'rse-paper')."
-    return TMAS_PAPER if preset == 'tmas-paper' else rse_paper(model)
+def paper_table(preset: str, model: str = '', rse_row: str = 'rse') -> dict[str, dict[str, Cited]]:
+    "The cited settings of every method under `preset` ('tmas-paper' or 'rse-paper') on `model`, with the backbone's own adaptations (`backbone_settings`)."
+    table = tmas_paper(model, rse_row) if preset == 'tmas-paper' else rse_paper(model)
+    return {m: {**d, **backbone_settings(model, m)} for m, d in table.items()}
 
 # %% ../nbs/24b_presets.ipynb #419256de
-def preset_values(preset: str | None, method: str, model: str = '') -> tuple[dict, dict, list[str]]:
-    "(settings, their sources, notes) that `preset` gives `method` run on `model`; empty for no preset."
-    if preset is None: return {}, {}, []
+def preset_values(preset: str | None, method: str, model: str = '', rse_row: str = 'rse') -> tuple[dict, dict, list[str]]:
+    "(settings, their sources, notes) that `preset` gives `method` run on `model` (`rse_row`: RSE's sampling under tmas-paper); without a paper preset, only the backbone's own adaptations."
+    if preset is not None and preset not in PRESETS: raise ValueError(f"--preset {preset!r} is unknown; use one of {', '.join(PRESETS)}")
+    if preset is None or preset == 'cpu-demo':
+        own = backbone_settings(model, method)
+        d = dict(CPU_DEMO.get(method, CPU_DEMO['*'])) if preset else {}
+        return ({**d, **{k: c.value for k, c in own.items()}},
+                {**{k: 'cpu-demo: a size that runs on a laptop CPU' for k in d}, **{k: c.source for k, c in own.items()}}, [])
     if preset not in PRESETS: raise ValueError(f"--preset {preset!r} is unknown; use one of {', '.join(PRESETS)}")
     if preset == 'paper':
         if method not in OWN_PAPER:
             raise ValueError(f"--preset paper: {method} is a baseline in both papers; say which comparison: "
                              f"--preset tmas-paper (TMAS's) or --preset rse-paper (RSE's)")
         preset = OWN_PAPER[method]
-    if preset == 'cpu-demo':
-        d = dict(CPU_DEMO.get(method, CPU_DEMO['*']))
-        return d, {k: 'cpu-demo: a size that runs on a laptop CPU' for k in d}, []
-    table = paper_table(preset, model)[method]
+    table = paper_table(preset, model, rse_row)[method]
     notes = [c.source for k, c in table.items() if k == 'frame']
     if preset == 'rse-paper' and not rse_sampling_family(model)[1]:
         notes.append(f"--preset rse-paper: RSE gives no sampling for the model {model!r}; using its Qwen3-Thinking row")
@@ -144,7 +191,7 @@ def preset_values(preset: str | None, method: str, model: str = '') -> tuple[dic
 
 # %% ../nbs/24b_presets.ipynb #1872b7b4
 def preset_table(model: str = 'Qwen3-30B-A3B-Thinking-2507'):
-    "Every paper preset's value for every method, with its source, as a DataFrame (RSE's sampling for `model`)."
-    rows = [{'preset': p, 'method': m, 'setting': k, 'value': c.value, 'source': c.source}
+    "Every paper preset's value for every method on `model`, with its source and whether it is assumed (the paper is silent; the source says why), as a DataFrame."
+    rows = [{'preset': p, 'method': m, 'setting': k, 'value': c.value, 'assumed': c.assumed, 'source': c.source}
             for p in ('tmas-paper', 'rse-paper') for m, d in paper_table(p, model).items() for k, c in d.items()]
     return pd.DataFrame(rows)

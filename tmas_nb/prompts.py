@@ -12,16 +12,16 @@ from .llm.core import split_thinking, TRUNCATED_NOTE
 
 # %% auto #0
 __all__ = ['SOLVER_SYSTEM', 'REVIEWER_SYSTEM', 'SOLUTION_PROMPT', 'REFINE_PROMPT', 'ROLLOUTS_BLOCK', 'ROLLOUT_ITEM',
-           'EXPERIENCE_BLOCK', 'GUIDELINES_BLOCK', 'VERIFICATION_PROMPT', 'SUMMARY_PROMPT', 'SUMMARY_REVIEW_ITEM',
-           'EXPERIENCE_UPDATE_PROMPT', 'GUIDELINE_UPDATE_PROMPT', 'RSE_SYSTEM', 'RSE_EXPERIENCE_BLOCK',
-           'RSE_ROLLOUT_PROMPT', 'RSE_DISTILL_PROMPT', 'SELF_REFINE_PROMPT', 'VERIFY_REFINE_PROMPT', 'PACORE_PROMPT',
-           'DEFAULT_TEMPLATES', 'REQUIRED_FIELDS', 'SCORE_SCALE', 'EXPERIENCE_KEYS', 'GUIDELINE_KEYS',
-           'DISTILLATION_KEYS', 'template_fields', 'fill', 'get_templates', 'strip_thinking', 'experience_lists',
-           'subsample', 'render_rollouts', 'render_solution_messages', 'parse_verification_score',
-           'render_verification_messages', 'render_summary_messages', 'render_experience_messages',
-           'render_guideline_messages', 'rse_lists', 'render_rse_messages', 'render_distillation_messages',
-           'render_self_refine_messages', 'render_verify_refine_messages', 'render_pacore_messages',
-           'parse_json_object', 'parse_json_lists']
+           'EXPERIENCE_BLOCK', 'GUIDELINES_BLOCK', 'VERIFICATION_PROMPT', 'SUMMARY_PROMPT', 'SUMMARY_LENGTH_LIMIT',
+           'SUMMARY_REVIEW_ITEM', 'EXPERIENCE_UPDATE_PROMPT', 'GUIDELINE_UPDATE_PROMPT', 'RSE_SYSTEM',
+           'RSE_EXPERIENCE_BLOCK', 'RSE_ROLLOUT_PROMPT', 'RSE_DISTILL_PROMPT', 'SELF_REFINE_PROMPT',
+           'VERIFY_REFINE_PROMPT', 'PACORE_PROMPT', 'DEFAULT_TEMPLATES', 'REQUIRED_FIELDS', 'SCORE_SCALE',
+           'EXPERIENCE_KEYS', 'GUIDELINE_KEYS', 'DISTILLATION_KEYS', 'template_fields', 'fill', 'get_templates',
+           'strip_thinking', 'experience_lists', 'subsample', 'render_rollouts', 'system_in_user_turn',
+           'render_solution_messages', 'parse_verification_score', 'render_verification_messages',
+           'render_summary_messages', 'render_experience_messages', 'render_guideline_messages', 'rse_lists',
+           'render_rse_messages', 'render_distillation_messages', 'render_self_refine_messages',
+           'render_verify_refine_messages', 'render_pacore_messages', 'parse_json_object', 'parse_json_lists']
 
 # %% ../nbs/20_prompts.ipynb #4d378ba8
 _FIELD = re.compile(r'\{([A-Za-z_][A-Za-z0-9_]*)\}')
@@ -103,7 +103,7 @@ Score: \boxed{0.5}
 Score: \boxed{0}"""
 "Prompt of the verification agent; `parse_verification_score` reads its last line."
 
-SUMMARY_PROMPT = """Below are a solution to a math problem and {n} independent reviews of it, each with its score (1 correct, 0.5 minor gaps, 0 fatally wrong). Write a compact summary for whoever attempts the problem next: the approach the solution took, its final answer, the steps the reviewers confirmed, and the errors or gaps they found (say so where the reviewers disagree). Use at most {max_words} words and do not solve the problem again.
+SUMMARY_PROMPT = """Below are a solution to a math problem and {n} independent reviews of it, each with its score (1 correct, 0.5 minor gaps, 0 fatally wrong). Write a summary for whoever attempts the problem next: the approach the solution took, its final answer, the steps the reviewers confirmed, and the errors or gaps they found (say so where the reviewers disagree).{length_limit} Do not solve the problem again.
 
 Problem:
 {question}
@@ -114,6 +114,9 @@ Solution:
 Reviews:
 {verifications}"""
 "Prompt of the summary agent: one candidate and its M verifications become one rollout summary."
+
+SUMMARY_LENGTH_LIMIT = " Use at most {max_words} words."
+"The summary's word cap, put in `{length_limit}` when a run sets one (ours, not the TMAS release's: off in `--preset tmas-paper`)."
 
 SUMMARY_REVIEW_ITEM = """### Review {index} (score {score})
 {text}"""
@@ -329,6 +332,16 @@ def _messages(system: str, user: str) -> list[dict[str, str]]:
     msgs = [{'role': 'system', 'content': system}] if system.strip() else []
     return msgs + [{'role': 'user', 'content': user}]
 
+# %% ../nbs/20_prompts.ipynb #5ae8503f
+def system_in_user_turn(messages: Sequence[Mapping[str, str]]) -> list[dict[str, str]]:
+    "The conversation with its system messages removed and their text put before the first user message's (RSE Appendix B.2, Phi-4-reasoning)."
+    system = '\n\n'.join(m['content'] for m in messages if m['role'] == 'system' and m['content'].strip())
+    out = [dict(m) for m in messages if m['role'] != 'system']
+    first = next((i for i, m in enumerate(out) if m['role'] == 'user'), None)
+    if system and first is not None: out[first]['content'] = f"{system}\n\n{out[first]['content']}"
+    elif system: out.insert(0, {'role': 'user', 'content': system})
+    return out
+
 # %% ../nbs/20_prompts.ipynb #ea3a7b8c
 def render_solution_messages(question: str, mode: str = 'exploit', rollouts: Sequence[Any] = (),
                              experience: Any = None, guidelines: Sequence[Any] = (),
@@ -408,9 +421,9 @@ def render_verification_messages(question: str, solution: str,
                                                 solution=strip_thinking(solution) or '(empty solution)'))
 
 # %% ../nbs/20_prompts.ipynb #09e6151d
-def render_summary_messages(question: str, solution: str, verifications: Sequence[Any], max_words: int = 200,
+def render_summary_messages(question: str, solution: str, verifications: Sequence[Any], max_words: int | None = 200,
                             templates: Mapping[str, str] | None = None) -> list[dict[str, str]]:
-    "Chat messages of the summary agent: a candidate and its verifications become one rollout summary."
+    "Chat messages of the summary agent: a candidate and its verifications become one rollout summary (at most `max_words` words; None: no cap)."
     t = get_templates(templates)
     items = []
     for i, v in enumerate(verifications, 1):
@@ -419,7 +432,9 @@ def render_summary_messages(question: str, solution: str, verifications: Sequenc
                           text=strip_thinking(text) or '(empty review)'))
     return _messages(t['reviewer_system'], fill(
         t['summary'], question=question, solution=strip_thinking(solution) or '(empty solution)',
-        verifications='\n\n'.join(items) or '(no reviews)', n=len(items), max_words=max_words))
+        verifications='\n\n'.join(items) or '(no reviews)', n=len(items),
+        length_limit='' if max_words is None else fill(SUMMARY_LENGTH_LIMIT, max_words=max_words),
+        **({} if max_words is None else {'max_words': max_words})))
 
 # %% ../nbs/20_prompts.ipynb #955a04a2
 def render_experience_messages(question: str, rollouts: Sequence[Any], experience: Any = None,

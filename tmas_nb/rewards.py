@@ -9,20 +9,22 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+import pandas as pd
 from fastcore.basics import patch
 
 from .grading import grade_many
-from .llm.core import Request
+from .llm.core import Request, run_sync
 from .memory import default_embedder
 from .prompts import strip_thinking
 
 # %% auto #0
 __all__ = ['HALVES', 'NOVELTY_REWARDS', 'OBJECTIVE_NAMES', 'STRATEGY_INSTRUCTION', 'STRATEGY_SUMMARY_PROMPT',
-           'NOVELTY_JUDGE_PROMPT', 'completion_text', 'check_lengths', 'correctness_reward',
+           'NOVELTY_JUDGE_PROMPT', 'NOVELTY_PAIRS', 'completion_text', 'check_lengths', 'correctness_reward',
            'experience_utilization_rewards', 'novelty_reward', 'hybrid_rewards', 'strategy_statement',
            'summarize_strategy', 'CosineNoveltyJudge', 'parse_novelty_verdict', 'LLMNoveltyJudge',
-           'without_strategy_lines', 'solution_strategy', 'RolloutNoveltyJudge', 'CorrectnessReward',
-           'consecutive_groups', 'ExperienceUtilizationReward', 'NoveltyReward', 'HybridReward', 'log_objectives']
+           'without_strategy_lines', 'solution_strategy', 'RolloutNoveltyJudge', 'judged_novel', 'CorrectnessReward',
+           'consecutive_groups', 'ExperienceUtilizationReward', 'NoveltyReward', 'HybridReward', 'log_objectives',
+           'novelty_agreement']
 
 # %% ../nbs/50_rewards.ipynb #88f319f0
 def completion_text(completion: Any) -> str:
@@ -251,6 +253,19 @@ async def judge(self: RolloutNoveltyJudge, questions: Sequence[str], solutions: 
     check_lengths(questions=questions, solutions=solutions, guidelines=guidelines)
     return list(await asyncio.gather(*[self.is_new(q, s, g) for q, s, g in zip(questions, solutions, guidelines)]))
 
+# %% ../nbs/50_rewards.ipynb #97a11c50
+async def judged_novel(judge, questions: Sequence[str], texts: Sequence[str], guidelines: Sequence[Sequence[str]],
+                       finish_reasons: Sequence[str] | None = None, self_report: bool = False) -> list[bool]:
+    "Whether each rollout's strategy is new for its guidelines: False for a rollout cut by the token limit (`finish_reasons` 'length'), else `judge`'s verdict on the rollout (or, `self_report`, on its Strategy line)."
+    n = check_lengths(questions=questions, texts=texts, guidelines=guidelines, finish_reasons=finish_reasons)
+    ask = [i for i in range(n) if finish_reasons is None or finish_reasons[i] != 'length']
+    banks = [list(guidelines[i] or []) for i in ask]
+    if self_report: got = await judge.judge([strategy_statement(texts[i]) for i in ask], banks)
+    else: got = await judge.judge([questions[i] for i in ask], [texts[i] for i in ask], banks)
+    out = [False] * n
+    for i, v in zip(ask, got): out[i] = bool(v)
+    return out
+
 # %% ../nbs/50_rewards.ipynb #8d52590c
 def _finish_reasons(completion_ids, eos_ids: set[int] | None, max_len: int | None) -> list[str] | None:
     "'length' for a completion that filled `max_len` tokens without an end token, else 'stop' (None when unknown)."
@@ -302,7 +317,7 @@ class ExperienceUtilizationReward:
 
 # %% ../nbs/50_rewards.ipynb #4eec8a1f
 class NoveltyReward:
-    "TRL reward (async): the novelty table, with 'new' decided by `judge` against the row's guidelines."
+    "TRL reward (async): the novelty table, with 'new' decided by `judge` on the Strategy line against the row's guidelines (a cut rollout is not new)."
     __name__ = 'novelty'
     def __init__(self, judge=None, max_completion_length: int | None = None, eos_token_ids: Sequence[int] = ()):
         self.judge = judge if judge is not None else CosineNoveltyJudge()
@@ -313,10 +328,11 @@ class NoveltyReward:
         idx = [i for i, m in enumerate(mine) if m]
         out: list = [None] * len(completions)
         if not idx: return out
-        correct = self.correctness([prompts[i] for i in idx], [completions[i] for i in idx], [gold[i] for i in idx],
-                                   [completion_ids[i] for i in idx] if completion_ids is not None else None)
-        strategies = [strategy_statement(completion_text(completions[i])) for i in idx]
-        new = await self.judge.judge(strategies, [list(guidelines[i] or []) for i in idx])
+        ids = [completion_ids[i] for i in idx] if completion_ids is not None else None
+        correct = self.correctness([prompts[i] for i in idx], [completions[i] for i in idx], [gold[i] for i in idx], ids)
+        texts = [completion_text(completions[i]) for i in idx]
+        new = await judged_novel(self.judge, [''] * len(idx), texts, [list(guidelines[i] or []) for i in idx],
+                                 _finish_reasons(ids, self.correctness.eos, self.correctness.max_len), self_report=True)
         for i, c, n in zip(idx, correct, new): out[i] = novelty_reward(c > 0, n)
         return out
 
@@ -331,24 +347,28 @@ class HybridReward:
         self.judge = judge if judge is not None else (RolloutNoveltyJudge() if novelty == 'judge' else CosineNoveltyJudge())
         self.max_len, self.eos = max_completion_length, set(eos_token_ids)
 
-    async def novel(self, idx: list[int], texts: list[str], questions, guidelines) -> list[bool]:
-        "The novelty verdicts of rows `idx`: the rollout judge, or the judge of the self-reported Strategy line."
-        banks = [list(guidelines[i] if guidelines[i] is not None else []) for i in idx]
-        if self.novelty == 'self-report': return await self.judge.judge([strategy_statement(texts[i]) for i in idx], banks)
-        return await self.judge.judge([questions[i] if questions is not None else '' for i in idx], [texts[i] for i in idx], banks)
+    async def novel(self, idx: list[int], texts: list[str], questions, guidelines, finish_reasons=None) -> list[bool]:
+        "The novelty verdicts of rows `idx` (`judged_novel`: a cut rollout is not new): the rollout judge, or the judge of the self-reported Strategy line."
+        return await judged_novel(self.judge, [questions[i] if questions is not None else '' for i in idx], [texts[i] for i in idx],
+                                  [guidelines[i] if guidelines[i] is not None else [] for i in idx],
+                                  [finish_reasons[i] for i in idx] if finish_reasons is not None else None, self.novelty == 'self-report')
 
 # %% ../nbs/50_rewards.ipynb #1938608d
 @patch
 async def __call__(self: HybridReward, prompts, completions, gold, objective, half=None, problem_id=None, guidelines=None,
                    question=None, completion_ids=None, log_metric=None, **kw) -> list[float]:
-    "The rewards of one batch; an unserved row or a missing verdict is a `ValueError` naming the row."
+    "The rewards of one batch (logging, with novelty rows, the share judged new and the share cut); an unserved row or a missing verdict is a `ValueError` naming the row."
     n, texts = len(completions), [completion_text(c) for c in completions]
-    correct = [x > 0 for x in correctness_reward(texts, gold, _finish_reasons(completion_ids, self.eos, self.max_len))]
+    frs = _finish_reasons(completion_ids, self.eos, self.max_len)
+    correct = [x > 0 for x in correctness_reward(texts, gold, frs)]
     idx = [i for i, o in enumerate(objective) if o == 'novelty']
     novel: list = [None] * n
     if idx:
         if guidelines is None: raise ValueError(f"row {idx[0]} (novelty): the batch has no 'guidelines' column")
-        for i, v in zip(idx, await self.novel(idx, texts, question, guidelines)): novel[i] = v
+        for i, v in zip(idx, await self.novel(idx, texts, question, guidelines, frs)): novel[i] = v
+        if log_metric is not None:       # every step: how many novelty rollouts the judge called new, and how many were cut
+            log_metric('novelty/judged_new', sum(novel[i] for i in idx) / len(idx))
+            log_metric('novelty/cut', sum(frs[i] == 'length' for i in idx) / len(idx) if frs is not None else 0.0)
     target = hybrid_rewards(objective, correct, half if half is not None else [None] * n, novel, problem_id, self.beta)
     given = target if self.reward == 'hybrid' else [1.0 if c else -1.0 for c in correct]
     if log_metric is not None: log_objectives(log_metric, objective, correct, given, target, half)
@@ -366,3 +386,104 @@ def log_objectives(log_metric, objectives, correct, given, target, halves=None) 
     for h in HALVES:
         xs = [correct[i] for i, o in enumerate(objectives) if o == 'exp_util' and halves is not None and halves[i] == h]
         if xs: log_metric(f'accuracy/{h}', sum(xs) / len(xs))
+
+# %% ../nbs/50_rewards.ipynb #3ae715c5
+_Q = {
+    'odd': 'Find the sum 1 + 3 + 5 + ... + (2n - 1) of the first n odd numbers.',
+    'xy': 'Positive reals x and y satisfy x + y = 10. Find the largest possible value of xy.',
+    'iso': 'In triangle ABC with AB = AC the angle at A is 40 degrees. Find the angle at B in degrees.',
+    'even': 'How many subsets of {1, 2, ..., 10} have an even number of elements?',
+    'mod': 'Find the remainder when 2^100 is divided by 7.',
+    'rec': 'A sequence has a_1 = 1 and a_(n+1) = 2 a_n + 1. Find a_10.',
+    'dice': 'Two fair dice are rolled. What is the probability that the sum is 7?',
+    'quad': 'Solve x^2 - 5x + 6 = 0.',
+    'word': 'In how many ways can the letters of BANANA be arranged?',
+}
+_G = {
+    'odd': ['Induction on n', 'Arithmetic series formula: the number of terms times the average of the first and last term'],
+    'xy': ['AM-GM inequality on x and y'],
+    'iso': ['Angle sum of the triangle with the equal base angles of an isosceles triangle'],
+    'even': ['Binomial theorem: evaluate (1 + 1)^n and (1 - 1)^n'],
+    'mod': ['Find the cycle of the powers of 2 modulo 7'],
+    'rec': ['Compute the first terms, guess a closed form and prove it by induction'],
+    'dice': ['List all 36 outcomes and count the favourable ones'],
+    'quad': ['Factor the quadratic', 'Quadratic formula'],
+    'word': [],
+}
+def _pair(q, novel, rollout, cut=False): return {'problem': q, 'question': _Q[q], 'guidelines': _G[q], 'rollout': rollout,
+                                                 'finish_reason': 'length' if cut else 'stop', 'novel': novel}
+NOVELTY_PAIRS = [
+    _pair('odd', False, "We prove that the sum of the first n odd numbers is n^2 by induction on n. For n = 1 the sum is 1 = 1^2. "
+          "Assume 1 + 3 + ... + (2k - 1) = k^2; adding the next odd number 2k + 1 gives k^2 + 2k + 1 = (k + 1)^2. So the sum is \\boxed{n^2}."),
+    _pair('odd', False, "The terms form an arithmetic progression with n terms, first term 1 and last term 2n - 1. Its sum is the number "
+          "of terms times the average of the ends, n (1 + 2n - 1) / 2 = n^2. So the answer is \\boxed{n^2}."),
+    _pair('odd', True, "Draw the numbers as dots: going from a k-by-k square of dots to a (k + 1)-by-(k + 1) square adds an L-shaped "
+          "border of 2k + 1 dots. The odd numbers are exactly these borders, so together they fill an n-by-n square. The sum is \\boxed{n^2}."),
+    _pair('odd', True, "Each odd number is a difference of consecutive squares: k^2 - (k - 1)^2 = 2k - 1. Summing this from k = 1 to n, "
+          "the sum telescopes to n^2 - 0^2. The answer is \\boxed{n^2}."),
+    _pair('xy', False, "By the AM-GM inequality, (x + y) / 2 >= sqrt(xy), so sqrt(xy) <= 5 and xy <= 25. Equality holds when x = y = 5, "
+          "so the maximum is \\boxed{25}."),
+    _pair('xy', True, "Substitute y = 10 - x to get f(x) = 10x - x^2. Its derivative 10 - 2x vanishes at x = 5, where the second "
+          "derivative is negative, so the maximum is f(5) = \\boxed{25}."),
+    _pair('xy', True, "Complete the square: xy = x (10 - x) = 25 - (x - 5)^2. A square is never negative, so xy <= 25, with "
+          "equality at x = 5. The maximum is \\boxed{25}."),
+    _pair('xy', False, "Let us look at the constraint x + y = 10 and try values. For x = 1 the product is 9, for x = 2 it is 16, for "
+          "x = 3 it is 21, for x = 4 it is 24, for x = 4.5 it is 24.75, for x = 4.9 it is 24.99, and closer to", cut=True),
+    _pair('iso', False, "Since AB = AC, the base angles at B and C are equal. The angles of a triangle add up to 180 degrees, so "
+          "2B + 40 = 180 and B = \\boxed{70}."),
+    _pair('iso', True, "Place A at the origin with the axis of symmetry along the negative y-axis, so that for AB = 1 we have "
+          "B = (-sin 20, -cos 20) and C = (sin 20, -cos 20). The dot product of BA and BC gives cos B = sin 20 = cos 70, so B = \\boxed{70}."),
+    _pair('iso', True, "Drop the altitude from A to BC; in an isosceles triangle it bisects the apex angle. In the right triangle it "
+          "cuts off, the angle at A is 20 degrees, so the angle at B is 90 - 20 = \\boxed{70}."),
+    _pair('even', False, "Expand (1 + x)^10 and put x = 1 and x = -1: all the binomial coefficients sum to 2^10 and their alternating "
+          "sum is 0. Adding the two and halving, the even-sized subsets number 2^9 = \\boxed{512}."),
+    _pair('even', True, "Pair each subset with the one obtained by adding or removing the element 1. This pairing is a bijection that "
+          "changes the size by one, so it matches even-sized subsets with odd-sized ones; half of the 2^10 subsets are even, \\boxed{512}."),
+    _pair('even', False, "By the binomial theorem the sum of C(10, k)(-1)^k over k is (1 - 1)^10 = 0, so there are as many even-sized "
+          "subsets as odd-sized ones. Hence there are 2^10 / 2 = \\boxed{512}."),
+    _pair('even', True, "Add up the counts directly: C(10, 0) + C(10, 2) + C(10, 4) + C(10, 6) + C(10, 8) + C(10, 10) = "
+          "1 + 45 + 210 + 210 + 45 + 1. The total is \\boxed{512}."),
+    _pair('mod', False, "Compute the powers of 2 modulo 7: 2, 4, 1, after which the pattern repeats with period 3. Since "
+          "100 = 3 * 33 + 1, 2^100 leaves the same remainder as 2^1, which is \\boxed{2}."),
+    _pair('mod', True, "By Fermat's little theorem 2^6 is 1 modulo 7. Writing 100 = 6 * 16 + 4, we get 2^100 = (2^6)^16 * 2^4, "
+          "which is 16 modulo 7, that is \\boxed{2}."),
+    _pair('mod', False, "Note that 8 = 7 + 1, so 2^3 leaves remainder 1 modulo 7. Then 2^100 = 2 * (2^3)^33 leaves remainder \\boxed{2}."),
+    _pair('mod', False, "We compute 2^100 exactly and divide. 2^10 = 1024, 2^20 = 1048576, 2^40 = 1099511627776, and multiplying "
+          "these large numbers digit by digit we get 2^80 = 1208925819614629174706176, then 2^100 = 2^80 * 2^20 =", cut=True),
+    _pair('rec', False, "Compute the first terms: a_1 = 1, a_2 = 3, a_3 = 7, a_4 = 15, which suggests a_n = 2^n - 1. Induction "
+          "confirms it, since 2 (2^n - 1) + 1 = 2^(n+1) - 1. So a_10 = \\boxed{1023}."),
+    _pair('rec', True, "Add 1 to both sides of the recurrence: a_(n+1) + 1 = 2 (a_n + 1). So b_n = a_n + 1 is a geometric sequence "
+          "with ratio 2 and b_1 = 2, hence b_n = 2^n and a_10 = 2^10 - 1 = \\boxed{1023}."),
+    _pair('dice', False, "There are 36 equally likely outcomes. The pairs (1,6), (2,5), (3,4), (4,3), (5,2), (6,1) sum to 7, so the "
+          "probability is 6/36 = \\boxed{1/6}."),
+    _pair('dice', True, "Whatever the first die shows, exactly one value of the second die makes the sum 7. Conditioning on the first "
+          "die, the probability is therefore 1/6 in every case, so it is \\boxed{1/6}."),
+    _pair('dice', True, "Use a generating function: the sum of two dice is described by (x + x^2 + ... + x^6)^2 / 36, and the "
+          "coefficient of x^7 in the square is 6. The probability is 6/36 = \\boxed{1/6}."),
+    _pair('quad', False, "Factor x^2 - 5x + 6 as (x - 2)(x - 3). A product is zero when a factor is, so the roots are \\boxed{2, 3}."),
+    _pair('quad', False, "Apply the quadratic formula: x = (5 +- sqrt(25 - 24)) / 2 = (5 +- 1) / 2, which gives \\boxed{2, 3}."),
+    _pair('quad', True, "By Vieta's formulas the two roots add up to 5 and multiply to 6. The only pair of numbers with this sum and "
+          "product is 2 and 3, so the roots are \\boxed{2, 3}."),
+    _pair('quad', False, "By Vieta's formulas the two roots add up to 5 and multiply to 6. We look for two numbers with this sum and "
+          "product: trying 1 and 4 gives product 4, trying 1.5 and 3.5 gives 5.25, trying", cut=True),
+    _pair('word', True, "There are 6 letters, with A three times and N twice. Dividing the 6! orders by the 3! orders of the A's and "
+          "the 2! orders of the N's gives 720 / 12 = \\boxed{60}."),
+    _pair('word', False, "Let us list the arrangements one by one: AAABNN, AAANBN, AAANNB, AABANN, AABNAN, AABNNA, AANABN, AANANB, "
+          "AANBAN, AANBNA, AANNAB, AANNBA, ABAANN, ABANAN,", cut=True),
+]
+"A labelled set of (rollout, guidelines, novel?) pairs for measuring a novelty judge: nine problems, each with the strategies already tried; a rollout is novel when its method differs from every listed strategy, and a rollout cut before its answer is never novel."
+
+# %% ../nbs/50_rewards.ipynb #a7b41a86
+def novelty_agreement(judges: dict | None = None, pairs: Sequence[dict] = NOVELTY_PAIRS, cut_rule: bool = True) -> pd.DataFrame:
+    "Per judge (name -> a rollout judge such as `RolloutNoveltyJudge`; default: the MiniLM heuristic): its agreement with the labels of `pairs`, the share it calls new against the labelled share, and its errors (`cut_rule=False`: cut rollouts are judged too, as before)."
+    judges = judges if judges is not None else {'heuristic: MiniLM cosine < 0.7 on the first two sentences': RolloutNoveltyJudge()}
+    truth = [bool(p['novel']) for p in pairs]
+    frs = [p.get('finish_reason', 'stop') for p in pairs] if cut_rule else None
+    rows = []
+    for name, judge in judges.items():
+        got = run_sync(judged_novel(judge, [p['question'] for p in pairs], [p['rollout'] for p in pairs], [p['guidelines'] for p in pairs], frs))
+        rows.append({'judge': name, 'pairs': len(pairs), 'agreement': sum(g == t for g, t in zip(got, truth)) / len(pairs),
+                     'judged_new': sum(got) / len(pairs), 'labelled_new': sum(truth) / len(pairs),
+                     'seen_called_new': sum(g and not t for g, t in zip(got, truth)),
+                     'new_called_seen': sum(t and not g for g, t in zip(got, truth))})
+    return pd.DataFrame(rows)

@@ -23,19 +23,19 @@ from .core import atomic_write_json, folder_lock
 from .data import load_benchmark, Problem
 from .prompts import render_solution_messages, experience_lists, get_templates, fill, subsample
 from .rewards import (HALVES, OBJECTIVE_NAMES, STRATEGY_INSTRUCTION, HybridReward, RolloutNoveltyJudge,
-                             CosineNoveltyJudge)
+                             CosineNoveltyJudge, LLMNoveltyJudge)
 from .runs import load_run
 from .settings import setting, add_settings, resolve, read_json, renamed_flag
 
 # %% auto #0
 __all__ = ['OBJECTIVES', 'ROW_COLUMNS', 'PAPER_MIX', 'VERL_SOURCES', 'TOY_NAMES', 'TOY_WORDS', 'TOY_QUESTION',
-           'TOY_ANSWER_PREFIX', 'TOY_GUIDELINE', 'PRESETS', 'PAPER_TRL_NOTES', 'PAPER_NEEDS', 'METRIC_RENAMES',
-           'IDENTITY_SETTINGS', 'inject_experience', 'problem_row', 'run_inputs', 'rows_from_runs', 'parse_mix',
-           'mix_rows', 'to_verl', 'write_rows', 'from_verl', 'read_rows', 'toy_messages', 'toy_rows', 'training_rows',
-           'half_split_sampler', 'group_advantages', 'TrainSettings', 'trainer_prompt', 'grpo_kwargs', 'grpo_config',
-           'trainer_reward', 'metric_row', 'load_task', 'check_settings', 'last_checkpoint', 'finished_steps', 'train',
-           'data_rows', 'data_cli', 'settings_from_args', 'train_cli', 'TeacherSettings', 'read_problem_file',
-           'teacher', 'teacher_cli']
+           'TOY_ANSWER_PREFIX', 'TOY_GUIDELINE', 'PRESETS', 'PAPER_ROWS', 'PRESET_REASONS', 'PAPER_TRL_NOTES',
+           'PAPER_NEEDS', 'METRIC_RENAMES', 'IDENTITY_SETTINGS', 'inject_experience', 'problem_row', 'run_inputs',
+           'rows_from_runs', 'parse_mix', 'mix_rows', 'to_verl', 'write_rows', 'from_verl', 'read_rows', 'toy_messages',
+           'toy_rows', 'training_rows', 'half_split_sampler', 'group_advantages', 'TrainSettings', 'batch_plan',
+           'trainer_prompt', 'grpo_kwargs', 'grpo_config', 'trainer_reward', 'metric_row', 'load_task',
+           'check_settings', 'last_checkpoint', 'finished_steps', 'train', 'data_rows', 'data_cli',
+           'settings_from_args', 'train_cli', 'TeacherSettings', 'read_problem_file', 'teacher', 'teacher_cli']
 
 # %% ../nbs/51_rl.ipynb #6db894b5
 OBJECTIVES = ('exp_util', 'novelty', 'standard')
@@ -327,6 +327,7 @@ class TrainSettings:
     num_generations: int = setting(8, "G: rollouts per problem (even: half Base, half Bank)")
     max_completion_length: int = setting(32, "tokens per rollout")
     problems_per_step: int = setting(1, "problems (groups) per optimiser step, over all processes")
+    accumulation_steps: int = setting(1, cli=False)           # micro-batches per optimiser step (one step per generation batch)
     seed: int = setting(0, "seed of sampling, data order and the toy task")
     learning_rate: float = setting(1e-5, "learning rate")
     save_steps: int = setting(10, "checkpoint every K steps")
@@ -359,7 +360,7 @@ def validate(self: TrainSettings) -> TrainSettings:
     if self.novelty not in ('judge', 'self-report'): raise ValueError(f"--novelty {self.novelty!r}: use 'judge' or 'self-report'")
     if self.num_generations < 2 or self.num_generations % 2:
         raise ValueError(f"--num-generations {self.num_generations}: must be even and >= 2 (half base, half bank rollouts per group)")
-    for k in ('max_steps', 'max_completion_length', 'problems_per_step', 'save_steps'):
+    for k in ('max_steps', 'max_completion_length', 'problems_per_step', 'save_steps', 'accumulation_steps'):
         if getattr(self, k) < 1: raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
     bad = [o for o in self.objective_list if o not in OBJECTIVES]
     if bad or not self.objective_list: raise ValueError(f"--objectives {self.objectives!r}: use some of {', '.join(OBJECTIVES)}")
@@ -375,11 +376,23 @@ def objective_list(self: TrainSettings) -> list[str]:
 # %% ../nbs/51_rl.ipynb #54aaa7d6
 PRESETS: dict[str, dict] = {
     'paper': {'model': 'Qwen/Qwen3-4B-Thinking-2507', 'num_generations': 16, 'max_completion_length': 80 * 1024,
-              'problems_per_step': 8, 'learning_rate': 1e-6, 'max_steps': 190, 'epsilon': 0.20, 'epsilon_high': 0.255,
-              'delta': 10.0, 'entropy_coef': 0.0, 'kl_beta': 0.0, 'loss_type': 'dapo', 'experience_beta': 0.6,
+              'problems_per_step': 128, 'accumulation_steps': 16, 'learning_rate': 1e-6, 'max_steps': 190, 'epsilon': 0.20,
+              'epsilon_high': 0.255, 'delta': 10.0, 'entropy_coef': 0.0, 'kl_beta': 0.0, 'loss_type': 'dapo', 'experience_beta': 0.6,
               'temperature': 1.0, 'top_p': 1.0, 'bf16': True, 'gradient_checkpointing': True, 'save_steps': 10},
 }
-"Named settings for `--config`; `paper`: the TMAS paper's Hybrid-RL run."
+PRESETS['paper-rollouts-128'] = {**PRESETS['paper'], 'problems_per_step': 8, 'accumulation_steps': 1}
+"Named settings for `--config`; `paper`: the TMAS paper's Hybrid-RL run; `paper-rollouts-128`: the same with 128 rollouts per step (see `PRESET_REASONS`)."
+
+PAPER_ROWS = 4_400
+"Rows of the authors' released training data (RL-training-data.parquet: 2.2K standard, 1.6K experience, 0.6K guideline)."
+
+PRESET_REASONS = {
+    'paper': "'batch size 128' read as verl's train_batch_size, which counts prompts: 128 prompts x 16 rollouts per step, "
+             "about 5.5 epochs of the 4.4K rows in 190 steps; 16 micro-batches accumulate into one update per step (assumed)",
+    'paper-rollouts-128': "'batch size 128' read as rollouts per step, 8 prompts x 16 (this config's earlier reading): about "
+                          "0.35 epoch of the 4.4K rows in 190 steps, far less data than the paper's verl run saw",
+}
+"Why each named config reads the paper as it does (printed by `--dry-run`)."
 
 PAPER_TRL_NOTES = {
     'GRPO, token-level loss': "loss_type='dapo' (token losses summed over the batch's tokens)",
@@ -387,7 +400,7 @@ PAPER_TRL_NOTES = {
     'clip range [0.20, 0.255]': 'epsilon=0.20, epsilon_high=0.255',
     'clipping coefficient 10 (dual clip)': "delta=10.0: TRL's two-sided clip caps the ratio at 10, which bounds the loss of negative advantages as verl's clip_ratio_c does",
     'entropy coefficient 0': 'entropy_coef=0.0', 'no KL': 'beta=0.0 (no reference model)',
-    'batch 128 = 8 prompts x 16 rollouts': 'problems_per_step=8, num_generations=16, split over the processes in whole groups',
+    "batch size 128 (verl's train_batch_size: prompts)": 'problems_per_step=128, num_generations=16: 2,048 rollouts per step, split over the processes in whole groups, in accumulation_steps=16 micro-batches per update',
     'rollouts by SGLang with FP8': "no SGLang in TRL; nearest: use_vllm (vLLM, colocated) when installed, else transformers' generate, both in bf16",
     'dynamic batching, optimizer offloading, activation recomputation': 'gradient_checkpointing=True; offloading through the DeepSpeed ZeRO-3 config (configs/accelerate/deepspeed_zero3.yaml); no dynamic batching knob (TRL pads each batch)',
     '256 H20 GPUs': 'accelerate launch --config_file configs/accelerate/deepspeed_zero3.yaml --num_processes N',
@@ -395,11 +408,20 @@ PAPER_TRL_NOTES = {
 "Paper setting -> the TRL setting used for it (or why there is none and what is nearest)."
 
 PAPER_NEEDS = ("Qwen3-4B-Thinking-2507 (4.0B parameters): 8 GB of bf16 weights, about 64 GB more for fp32 master weights and "
-               "AdamW states (sharded or offloaded by ZeRO-3), and per step 128 rollouts of up to 80K tokens to generate and "
+               "AdamW states (sharded or offloaded by ZeRO-3), and per step 2,048 rollouts (128 prompts x 16) of up to 80K tokens to generate and "
                "backpropagate (gradient checkpointing on). The paper used 256 H20 GPUs; plan for at least 8 GPUs of 80 GB, "
                "vLLM installed for generation, and `accelerate launch` with configs/accelerate/deepspeed_zero3.yaml. "
                "These are estimates from the model size, not measurements.")
 "What `--config paper` needs, printed by `tmas rl train --config paper --dry-run`."
+
+# %% ../nbs/51_rl.ipynb #b8a870ed
+def batch_plan(s: TrainSettings, rows: int | None = None) -> dict:
+    "What a configuration trains on: prompts and rollouts per step, prompts over all steps, and the epochs that makes of `rows` training rows and of the paper's 4.4K."
+    seen = s.problems_per_step * s.max_steps
+    return {'prompts_per_step': s.problems_per_step, 'rollouts_per_step': s.problems_per_step * s.num_generations,
+            'micro_batches_per_step': s.accumulation_steps, 'steps': s.max_steps, 'prompts_seen': seen,
+            'rows': rows, 'epochs': round(seen / rows, 2) if rows else None,
+            'paper_rows': PAPER_ROWS, 'epochs_of_paper_rows': round(seen / PAPER_ROWS, 2)}
 
 # %% ../nbs/51_rl.ipynb #d4fb137b
 def trainer_prompt(messages: list[dict], tok) -> list[dict] | str:
@@ -420,13 +442,15 @@ def _vllm_installed() -> bool:
 # %% ../nbs/51_rl.ipynb #756c8baa
 def grpo_kwargs(s: TrainSettings, world_size: int = 1) -> dict:
     "The keyword arguments of TRL's GRPOConfig for settings `s` on `world_size` processes."
-    per_step = s.problems_per_step * s.num_generations
-    if per_step % (world_size * s.num_generations):
-        raise ValueError(f"{s.problems_per_step} problems per step do not split into whole groups over {world_size} processes; "
-                         "make --problems-per-step a multiple of the number of processes")
+    per_step, parts = s.problems_per_step * s.num_generations, world_size * s.accumulation_steps
+    if per_step % (parts * s.num_generations):
+        raise ValueError(f"{s.problems_per_step} problems per step do not split into whole groups over {world_size} processes"
+                         f"{f' and {s.accumulation_steps} micro-batches' if s.accumulation_steps > 1 else ''}; "
+                         "make --problems-per-step a multiple of the number of processes (times the micro-batches)")
     vllm = s.use_vllm if s.use_vllm is not None else (_vllm_installed() and _has_gpu())
     return dict(output_dir=str(Path(s.out) / 'checkpoints'), max_steps=s.max_steps, seed=s.seed, data_seed=s.seed,
-        per_device_train_batch_size=per_step // world_size, gradient_accumulation_steps=1, steps_per_generation=1,
+        per_device_train_batch_size=per_step // parts, gradient_accumulation_steps=s.accumulation_steps,
+        steps_per_generation=s.accumulation_steps,
         num_generations=s.num_generations, max_completion_length=s.max_completion_length, learning_rate=s.learning_rate,
         beta=s.kl_beta, epsilon=s.epsilon, epsilon_high=s.epsilon_high, delta=s.delta, entropy_coef=s.entropy_coef,
         loss_type=s.loss_type, temperature=s.temperature, top_p=s.top_p, scale_rewards='group', save_strategy='steps',
@@ -444,12 +468,10 @@ def grpo_config(s: TrainSettings, world_size: int = 1):
 # %% ../nbs/51_rl.ipynb #de0a73f8
 def trainer_reward(s: TrainSettings, eos_token_ids: Sequence[int] = (), judge=None) -> HybridReward:
     "The trainer's reward for settings `s` (`judge`: a novelty judge to use instead of the one the settings name)."
-    if judge is None and s.novelty == 'self-report': judge = CosineNoveltyJudge(s.novelty_tau)
     if judge is None:
-        llm = None
-        if s.judge:
-            llm = load_judge(s.judge, Path(s.out) / 'judge_cache', threads=s.threads)
-        judge = RolloutNoveltyJudge(llm, tau=s.novelty_tau, cache_path=Path(s.out) / 'novelty_cache.jsonl')
+        llm = load_judge(s.judge, Path(s.out) / 'judge_cache', threads=s.threads) if s.judge else None
+        if s.novelty == 'self-report': judge = LLMNoveltyJudge(llm) if llm is not None else CosineNoveltyJudge(s.novelty_tau)
+        else: judge = RolloutNoveltyJudge(llm, tau=s.novelty_tau, cache_path=Path(s.out) / 'novelty_cache.jsonl')
     return HybridReward(s.reward, s.experience_beta, judge, s.novelty, s.max_completion_length, eos_token_ids)
 
 # %% ../nbs/51_rl.ipynb #ce1cd74e
@@ -624,15 +646,21 @@ def settings_from_args(args) -> TrainSettings:
     elif args.config:
         if not Path(args.config).is_file(): raise FileNotFoundError(f"--config {args.config}: no such file and not a preset ({', '.join(PRESETS)})")
         layers.append((f'--config {args.config}', read_json(args.config, '--config')))
-    return resolve(TrainSettings, *layers, args=args).validate()
+    s = resolve(TrainSettings, *layers, args=args).validate()
+    if str(args.config).startswith('paper') and s.reward == 'hybrid' and not s.judge:
+        raise ValueError(f"--config {args.config}: the paper judges a rollout's novelty at the guideline level with an LLM; pass --judge "
+                         "MODEL_OR_URL (the MiniLM heuristic is for demos without --config paper; tmas_nb.rewards.novelty_agreement measures both)")
+    return s
 
 # %% ../nbs/51_rl.ipynb #a7dd7b04
 def _cmd_train(args) -> int:
     s = dataclasses.replace(settings_from_args(args), progress=not args.quiet)
     if args.dry_run:
-        print(json.dumps({'settings': asdict(s), 'trl_notes': PAPER_TRL_NOTES, 'needs': PAPER_NEEDS if args.config == 'paper' else None}, indent=1))
+        rows = len(load_task(s)) if s.task == 'toy' or Path(s.task).is_file() else None
+        print(json.dumps({'settings': asdict(s), 'batch': batch_plan(s, rows), 'reading': PRESET_REASONS.get(args.config),
+                          'trl_notes': PAPER_TRL_NOTES, 'needs': PAPER_NEEDS if str(args.config).startswith('paper') else None}, indent=1))
         return 0
-    if args.config == 'paper' and not args.quiet: print(f"--config paper needs: {PAPER_NEEDS}", file=sys.stderr)
+    if str(args.config).startswith('paper') and not args.quiet: print(f"--config {args.config} needs: {PAPER_NEEDS}", file=sys.stderr)
     out = train(s)
     print(f"{s.model}: {finished_steps(out)} steps ({s.reward} reward) -> {out / 'metrics.csv'}", file=sys.stderr)
     return 0

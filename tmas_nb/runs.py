@@ -8,6 +8,7 @@ import argparse, dataclasses, json, os, sys, time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pandas as pd
 import pyarrow as pa, pyarrow.parquet as pq
 
 from .core import atomic_write_json, folder_lock, terminal_safe
@@ -16,13 +17,13 @@ from .llm.cache import CachedLLM, open_cache_db
 from .llm.core import engine_stats, run_sync
 from .llm.engines import choose_engine, run_width
 from .llm.models import resolve_model
-from .llm.openai_backend import OpenAIBackend
+from .llm.openai_backend import OpenAIBackend, served_context_length
 from .llm.roles import RoleRouter
 from .llm.loading import load_llm
 from .methods import DISTILL_CONTEXT, METHODS, MethodConfig, make_method, run_method
 from .estimates import RunEstimate, calibration_hint, estimate_lines, estimate_run, fmt_seconds, planned_calls
 from .progress import RunProgress
-from .presets import PAPER_TOKEN_BUDGET, PRESETS, PROTOCOLS, OWN_PAPER, JUDGE_HINT, preset_values
+from .presets import PAPER_TOKEN_BUDGET, PRESETS, PROTOCOLS, OWN_PAPER, JUDGE_HINT, RSE_SAMPLINGS, preset_values, paper_table
 from .settings import ModelSettings, OutputSettings, add_settings, read_json, resolve
 from .replay.live_run import LIVE_FLAG_FIELDS, ControllerMethod, controller_cli
 from .run_folder import (
@@ -32,12 +33,15 @@ from .run_folder import (
     pass_at_1_by_iteration, tmas_variant, run_label, best_candidates, Run, banks_frame, load_run)   # the run folder format and reader, importable from here as before
 
 # %% auto #0
-__all__ = ['METHOD_ROLES', 'ENDPOINT_ROLES', 'LONG_CPU_RUN_S', 'CUT_WARNING', 'PRESET_HELP', 'record_server',
-           'resolve_auto_backend', 'check_run_files', 'RunOptions', 'sampling_by_role', 'run_record', 'start_run',
-           'RunInterrupted', 'stop_reason', 'record_stop', 'model_context_length', 'cap_to_context', 'layer_settings',
-           'protocol_of', 'distiller_context', 'parse_role_endpoint', 'parse_role_endpoints', 'RunPlan', 'plan_run',
-           'check_run_model', 'check_long_run', 'summary_line', 'run_facts', 'facts_lines', 'summary_text', 'run_cli',
-           'runs_table', 'effective_defaults', 'summary_cli', 'list_cli', 'config_from_args']
+__all__ = ['METHOD_ROLES', 'ARM_SOURCES', 'STRUCTURE', 'ENDPOINT_ROLES', 'LONG_CPU_RUN_S', 'RUNS_FILE', 'CUT_WARNING',
+           'PRESET_HELP', 'record_server', 'resolve_auto_backend', 'check_run_files', 'RunOptions', 'sampling_by_role',
+           'run_record', 'start_run', 'RunInterrupted', 'stop_reason', 'record_stop', 'context_of',
+           'model_context_length', 'cap_to_context', 'layer_settings', 'distiller_context', 'tmas_arm',
+           'paper_differences', 'custom_line', 'protocol_of', 'protocol_name', 'parse_role_endpoint',
+           'parse_role_endpoints', 'RunPlan', 'plan_run', 'check_run_model', 'check_long_run', 'summary_line',
+           'run_independent', 'run_folders', 'independent_runs', 'pass_at_1_by_run', 'distillation_parts', 'run_facts',
+           'facts_lines', 'summary_text', 'run_cli', 'runs_table', 'effective_defaults', 'summary_cli', 'list_cli',
+           'config_from_args']
 
 # %% ../nbs/24_runs.ipynb #b7682649
 from .core import terminal_safe
@@ -247,16 +251,23 @@ def record_stop(run_dir, e: BaseException, kept: int, wall: float, before: dict,
     return st
 
 # %% ../nbs/24_runs.ipynb #166c5c1a
-def model_context_length(model: str, backend: str = 'transformers') -> int | None:
-    "The context length (tokens) of a packaged model (known without converting it) or of a local model from its config.json; None when it cannot be read."
-    if backend == 'openai': return None
-    if (spec := packaged_model(model)) is not None and spec.context_length: return spec.context_length
+def context_of(model: str, backend: str = 'transformers', base_url: str | None = None,
+               api_key: str | None = None) -> tuple[int | None, str | None]:
+    "(context length in tokens, where it was read) of a model: a packaged model's known context (without converting it), a local model's config.json, or what the server at `base_url` reports (`served_context_length`); (None, None) when neither says."
+    if backend == 'openai':
+        if not base_url: return None, None
+        return served_context_length(base_url, None if model in (None, '', 'default') else model, api_key)
+    if (spec := packaged_model(model)) is not None and spec.context_length: return spec.context_length, 'the packaged model'
     try:
         d = read_json(Path(resolve_model(model)) / 'config.json')
-    except (OSError, ValueError, ImportError): return None
+    except (OSError, ValueError, ImportError): return None, None
     d = d.get('text_config', d)
     n = d.get('max_position_embeddings') or d.get('n_positions')
-    return int(n) if n else None
+    return (int(n), "the model's config.json") if n else (None, None)
+
+def model_context_length(model: str, backend: str = 'transformers', base_url: str | None = None, api_key: str | None = None) -> int | None:
+    "The context length (tokens) of a model (see `context_of`); None when it cannot be read."
+    return context_of(model, backend, base_url, api_key)[0]
 
 def cap_to_context(max_new_tokens: int, context: int | None, prompt_room: int = 4096) -> int:
     "`max_new_tokens` capped so that a prompt of `prompt_room` tokens still fits (half the context when it is small)."
@@ -278,56 +289,137 @@ def _config_file(path, method: str) -> dict:
 
 # %% ../nbs/24_runs.ipynb #b11d21eb
 def layer_settings(method: str, preset: str | None = None, config_path=None, flags: dict | None = None, model: str = 'default',
-                   backend: str = 'auto') -> tuple[MethodConfig, dict]:
-    "(the method's config, the further parts of config.json): defaults -> `preset` -> `--config` -> `flags`."
+                   backend: str = 'auto', *, base_url: str | None = None, api_key: str | None = None,
+                   rse_row: str | None = None) -> tuple[MethodConfig, dict]:
+    "(the method's config, the further parts of config.json): defaults -> `preset` (with the backbone's own adaptations) -> `--config` -> `flags`; `base_url`: where a served model's context is read."
     if method not in METHODS: raise ValueError(f"--method {method!r} is unknown; use one of {', '.join(METHODS)}")
+    paper = OWN_PAPER.get(method, preset) if preset == 'paper' else preset
+    if rse_row is not None and (method != 'rse' or paper != 'tmas-paper'):
+        raise ValueError(f"--rse-sampling applies to --method rse under --preset tmas-paper (RSE in TMAS's comparison), not to --method {method} with --preset {preset}")
     cls = METHODS[method].config_class
     names = {f.name for f in dataclasses.fields(cls)}
-    values, sources, notes = preset_values(preset, method, model)
-    settings = {k: v for k, v in values.items() if k in names}
-    endpoints: dict = {}
+    values, sources, notes = preset_values(preset, method, model, rse_row or 'rse')
+    settings, given, endpoints = {k: v for k, v in values.items() if k in names}, {}, {}
     if config_path:
         d = _config_file(config_path, method)
         endpoints.update(parse_role_endpoints(d.get('role_endpoints') or {}, f'--config {config_path}'))
-        settings.update({k: v for k, v in d.items() if k not in _NOT_METHOD})
+        given.update({k: v for k, v in d.items() if k not in _NOT_METHOD})
     flags = dict(flags or {})
     endpoints.update(flags.pop('role_endpoints', None) or {})
     for fld, v in flags.items():
         if v is None: continue
         if fld not in names: raise ValueError(f"--{fld.replace('_', '-')} does not apply to --method {method} (its settings: {sorted(names)})")
-        settings[fld] = v
+        given[fld] = v
+    settings.update(given)
+    if method == 'tmas' and settings.get('use_guidelines') is False and 'epsilon' not in given and 'epsilon' in settings:
+        del settings['epsilon']           # the arm without guidelines: ε = 0 (TMASConfig), not the preset's 0.2
+        sources['epsilon'] = ARM_SOURCES['no-explore']
     if 'max_new_tokens' in values and flags.get('max_new_tokens') is None and settings.get('max_new_tokens') == values['max_new_tokens']:
-        settings['max_new_tokens'], note = _capped(values['max_new_tokens'], model, backend, preset)
-        notes += [note] if note else []
-    if method == 'rse' and settings.get('distill_context') is None and not settings.get('distill_max_chars'):
-        settings['distill_context'], note = distiller_context(endpoints, model, backend)
+        settings['max_new_tokens'], note = _capped(values['max_new_tokens'], model, backend, preset, base_url, api_key)
         notes += [note] if note else []
     record = {'preset_sources': sources, 'preset_notes': notes, 'role_endpoints': endpoints}
-    if preset: record['protocol'] = protocol_of(preset, method)
-    return cls.from_dict(settings, where=f'--method {method} settings'), record
+    if method == 'rse' and settings.get('distill_context') is None and not settings.get('distill_max_chars'):
+        settings['distill_context'], record['distill_context_source'], note = distiller_context(endpoints, model, backend, base_url, api_key)
+        notes += [note] if note else []
+    config = cls.from_dict(settings, where=f'--method {method} settings')
+    record['protocol'] = protocol_of(preset, method, config, model, backend, base_url, rse_row)
+    if record['protocol'].get('differs'): notes.append(custom_line(record['protocol']['differs']['value']))
+    return config, record
 
 # %% ../nbs/24_runs.ipynb #10c30d4f
-def _capped(tokens: int, model: str, backend: str, preset: str | None) -> tuple[int, str | None]:
-    "A preset's token budget capped by the model's context, and the note that says so."
-    ctx = model_context_length(model, backend)
+def _capped(tokens: int, model: str, backend: str, preset: str | None, base_url: str | None = None,
+            api_key: str | None = None) -> tuple[int, str | None]:
+    "A preset's token budget capped by the model's context (read from the server at `base_url` for a served model), and the note that says so."
+    ctx, where = context_of(model, backend, base_url, api_key)
     capped = cap_to_context(tokens, ctx)
-    if capped != tokens: return capped, f"--preset {preset}: max_new_tokens {tokens} capped to {capped} by the model's context of {ctx} tokens"
+    if capped != tokens: return capped, f"--preset {preset}: max_new_tokens {tokens} capped to {capped} by the model's context of {ctx} tokens ({where})"
     if ctx is None: return tokens, f"--preset {preset}: the model's context is unknown here; max_new_tokens stays {tokens}"
     return tokens, None
 
-def protocol_of(preset: str, method: str) -> dict:
-    "What the preset's paper fixes beyond this run (independent runs, grading), with sources."
-    p = OWN_PAPER.get(method, preset) if preset == 'paper' else preset
-    if p not in PROTOCOLS: return {}
-    return {k: {'value': c.value, 'source': c.source} for k, c in PROTOCOLS[p].items()}
-
-def distiller_context(endpoints: dict, model: str, backend: str) -> tuple[int | None, str | None]:
-    "The context (tokens) of RSE's distiller: its own endpoint's model or the run's; None with a note when it cannot be read."
+def distiller_context(endpoints: dict, model: str, backend: str, base_url: str | None = None,
+                      api_key: str | None = None) -> tuple[int | None, str | None, str | None]:
+    "(context in tokens, where it was read, a note when it could not be) of RSE's distiller: its own endpoint's model, or the run's (served at `base_url` with --backend openai)."
     ep = endpoints.get('distillation')
-    name, where = (ep.get('model') or model, 'openai') if ep else (model, backend)
-    ctx = model_context_length(name, where)
-    if ctx is None: return None, f"RSE: the distiller's context is unknown here; its parts are sized for {DISTILL_CONTEXT} tokens (set distill_context in --config)"
-    return ctx, None
+    name, where, url = (ep.get('model') or 'default', 'openai', ep['base_url']) if ep else (model, backend, base_url)
+    ctx, source = context_of(name, where, url, api_key)
+    if ctx is None: return None, None, (f"RSE: the distiller's context is unknown here; its parts are sized for {DISTILL_CONTEXT} tokens "
+                                        f"(set distill_context in --config, or serve it where /v1/models reports max_model_len)")
+    return ctx, source, None
+
+# %% ../nbs/24_runs.ipynb #c4edb664
+ARM_SOURCES = {
+    'no-explore': "TMAS §5.3: the arm without guidelines has It1 equal to the full system's It0, which fits no explore branch: ε = 0",
+    'fresh-explore': "named variant (our earlier default for this arm): ε kept, and the explore branch draws fresh samples with no guideline to avoid",
+    'full': 'TMAS as published: both banks', 'ablation': 'TMAS §5.3 component ablation'}
+"Why a TMAS arm runs as it does, recorded with its label."
+
+def tmas_arm(config) -> tuple[str, str]:
+    "(label, why) of a TMAS run's arm from its config (a `TMASConfig`, a dict, or a run's `config.json`): 'full', '−experience', '−guideline', '−both', and for an arm without guidelines that still explores, ' (fresh explore, ε=0.2)'."
+    c = config.to_dict() if hasattr(config, 'to_dict') else dict(config.get('config', config))
+    label = tmas_variant(c)
+    if label == 'full': return label, ARM_SOURCES['full']
+    if c.get('use_guidelines', True): return label, ARM_SOURCES['ablation']
+    eps = float(c.get('epsilon') or 0.0)
+    if eps > 0: return f"{label} (fresh explore, ε={eps:g})", ARM_SOURCES['fresh-explore']
+    return label, ARM_SOURCES['no-explore']
+
+# %% ../nbs/24_runs.ipynb #bef3cf6e
+STRUCTURE = ('n_candidates', 'n_verifications', 'iterations', 'epsilon')
+"The settings that make a run look like a paper's: candidates, reviews, iterations and ε."
+
+def paper_differences(method: str, config: MethodConfig, model: str = 'default', backend: str = 'auto',
+                      base_url: str | None = None) -> dict | None:
+    "For a run without a preset whose `STRUCTURE` settings equal a paper preset's: {'paper', 'settings': {setting: [ours, the paper's]}} where it departs from it (the paper's token budget capped to the model's context); None when it matches no paper's structure or departs nowhere."
+    ours = config.to_dict()
+    for paper in ('tmas-paper', 'rse-paper'):
+        table = {k: c.value for k, c in paper_table(paper, model).get(method, {}).items() if k != 'frame' and k in ours}
+        shape = [k for k in STRUCTURE if k in table]
+        if not shape or any(ours[k] != table[k] for k in shape): continue
+        if 'max_new_tokens' in table: table['max_new_tokens'] = cap_to_context(table['max_new_tokens'], model_context_length(model, backend, base_url))
+        diff = {k: [ours[k], v] for k, v in table.items() if ours[k] != v and not (k == 'role_sampling' and _same_roles(ours[k], v))}
+        return {'paper': paper, 'settings': diff} if diff else None
+    return None
+
+def _same_roles(ours: dict, paper: dict) -> bool:
+    "Whether the run's per-role sampling holds the paper's overrides."
+    return all({**ours.get(r, {}), **v} == ours.get(r, {}) for r, v in paper.items())
+
+def custom_line(differs: dict) -> str:
+    "The one line `tmas run` prints for a run that looks like a paper run but is not one."
+    parts = ', '.join(f"{k} {'none' if a is None else a} (the paper: {'none' if b is None else b})" for k, (a, b) in differs['settings'].items())
+    return (f"no --preset: this run has the structure of --preset {differs['paper']} but differs in {parts}; "
+            f"it is recorded as protocol 'custom' (add --preset {differs['paper']} to run the paper's settings)")
+
+# %% ../nbs/24_runs.ipynb #bbe87ff5
+def protocol_of(preset: str | None, method: str, config: MethodConfig | None = None, model: str = 'default', backend: str = 'auto',
+                base_url: str | None = None, rse_row: str | None = None) -> dict:
+    "The run's `protocol` record: its name, what the paper fixes beyond this run (independent runs, grading), the assumed values, the TMAS arm, RSE's sampling, and for a run that looks like a paper run without being one, where it differs."
+    p = OWN_PAPER.get(method, preset) if preset == 'paper' else preset
+    out = {}
+    if p in PROTOCOLS:
+        out['name'] = {'value': p, 'source': f'--preset {preset}'}
+        out.update({k: {'value': c.value, 'source': c.source} for k, c in PROTOCOLS[p].items()})
+        assumed = {k: c.source for k, c in paper_table(p, model, rse_row or 'rse').get(method, {}).items() if c.assumed}
+        if assumed: out['assumed'] = {'value': assumed, 'source': 'values the paper leaves open (tmas_nb.presets.preset_table), each with the reason for it'}
+        if method == 'rse' and p == 'tmas-paper':
+            out['rse_sampling'] = {'value': rse_row or 'rse', 'source': "--rse-sampling: RSE's own row for the backbone ('rse', the default) or TMAS's sampling ('tmas')"}
+    else:
+        out['name'] = {'value': p or 'custom', 'source': '--preset cpu-demo: a size for a laptop CPU, no paper protocol' if p else 'no --preset'}
+        differs = paper_differences(method, config, model, backend, base_url) if config is not None and p is None else None
+        if differs: out['differs'] = {'value': differs, 'source': f"settings that depart from --preset {differs['paper']}, whose structure the run has"}
+    if method == 'tmas' and config is not None:
+        label, why = tmas_arm(config)
+        out['arm'] = {'value': label, 'source': why}
+    return out
+
+def protocol_name(config: dict) -> str:
+    "The protocol a run's `config.json` records: 'tmas-paper', 'rse-paper', 'cpu-demo' or 'custom' (a run without a preset, or written before runs recorded it)."
+    p = config.get('protocol')
+    name = p if isinstance(p, str) else p.get('name') if isinstance(p, dict) else None
+    if isinstance(name, dict): name = name.get('value')
+    if name: return str(name)
+    preset = config.get('preset')
+    return OWN_PAPER.get(config.get('method'), preset) if preset == 'paper' else preset or 'custom'
 
 # %% ../nbs/24_runs.ipynb #bb9b1f15
 ENDPOINT_ROLES = {'solution': 'solution', 'verification': 'verification', 'summary': 'summary', 'experience': 'experience',
@@ -389,6 +481,7 @@ class RunPlan:
     problems: list
     model: ModelSettings
     llm_kw: dict
+    runs: int = 1                     # independent runs (seeds) into OUT/run-0 ... run-K-1; 1: OUT is the run folder
 
     def record(self) -> dict:
         "The `config.json` this plan writes (`started` aside; `--backend auto` is resolved when the run starts)."
@@ -403,7 +496,11 @@ def plan_run(args) -> RunPlan:
     check_run_model(ms)                      # a misspelled model stops here, before anything is written
     flags = {f: getattr(args, f, None) for f in _FLAG_FIELDS}
     flags['role_endpoints'] = parse_role_endpoints(args.role_endpoint or [], '--role-endpoint')
-    config, record = layer_settings(args.method, args.preset, args.config, flags, ms.model, ms.backend)
+    config, record = layer_settings(args.method, args.preset, args.config, flags, ms.model, ms.backend, base_url=ms.base_url,
+                                    api_key=ms.api_key, rse_row=getattr(args, 'rse_sampling', None))
+    runs = getattr(args, 'runs', None)
+    if runs is None: runs = int(((record.get('protocol') or {}).get('independent_runs') or {}).get('value') or 1)
+    if runs < 1: raise ValueError(f"--runs must be >= 1, got {runs}")
     problems = load_benchmark(args.benchmark)
     if args.problem_ids: problems = select_problems(problems, read_problem_ids(args.problem_ids))
     if args.limit is not None: problems = first_k(problems, args.limit)
@@ -413,7 +510,7 @@ def plan_run(args) -> RunPlan:
     if ms.backend == 'openai':   # every candidate chain of every problem in flight, unless told
         kw['max_concurrency'] = args.requests_in_flight or max(16, args.concurrency * int(getattr(config, 'n_candidates', 1) or 1))
     elif args.requests_in_flight is not None: raise ValueError("--requests-in-flight applies to --backend openai only")
-    return RunPlan(args.method, config, opts, list(problems), ms, kw)
+    return RunPlan(args.method, config, opts, list(problems), ms, kw, runs)
 
 # %% ../nbs/24_runs.ipynb #408416e8
 def check_run_model(ms: ModelSettings) -> str | None:
@@ -442,7 +539,8 @@ def _dry_run(plan: RunPlan) -> int:
     ms, n = plan.model, len(plan.problems)
     est = estimate_run(plan.method, plan.config, n, plan.options.concurrency, ms.model, ms.backend, ms.threads, measure=True)
     hint = calibration_hint(plan.method, plan.config, n, plan.options.concurrency, est) if ms.backend == 'auto' else None
-    print('\n'.join(estimate_lines(est) + ([hint] if hint else [])))
+    runs = [f"that is one of {plan.runs} independent runs (--runs): the whole set takes {plan.runs} times as long"] if plan.runs > 1 else []
+    print('\n'.join(estimate_lines(est) + ([hint] if hint else []) + runs))
     return 0
 
 # %% ../nbs/24_runs.ipynb #bc3904a2
@@ -467,11 +565,78 @@ def _cmd_run(args) -> int:
     if args.dry_run: return _dry_run(plan)
     if not args.out: raise ValueError("tmas run: --out is required (the run folder), unless --print-config")
     if not (Path(args.out) / 'config.json').exists(): check_long_run(plan, args.yes)   # a resumed run was agreed to
+    if plan.runs > 1:
+        for run in run_independent(plan, args.out): print(summary_line(run.summary(), run), file=sys.stderr)
+        return 0
     ms = plan.model
     run = run_sync(start_run(plan.method, plan.problems, plan.config, args.out, model=ms.model, backend=ms.backend,
                              base_url=ms.base_url, options=plan.options, **plan.llm_kw))
     print(summary_line(run.summary(), run), file=sys.stderr)
     return 0
+
+# %% ../nbs/24_runs.ipynb #06933415
+RUNS_FILE = 'runs.json'
+"The index of a folder of independent runs: method, the seeds and the run folders, in order."
+
+def run_independent(plan: RunPlan, out) -> list[Run]:
+    "Run (or resume) `plan.runs` independent runs of `plan` into OUT/run-k with seeds seed + k, one after the other; OUT/runs.json lists them."
+    out = Path(out)
+    if (out / 'config.json').exists():
+        raise ValueError(f"{out} is the folder of one run; independent runs go into a folder of their own: pass a new --out")
+    base = plan.config.seed
+    index = {'method': plan.method, 'base_seed': base, 'runs': plan.runs, 'seeds': [base + k for k in range(plan.runs)],
+             'folders': [f'run-{k}' for k in range(plan.runs)]}
+    if (out / RUNS_FILE).exists():
+        old = read_json(out / RUNS_FILE, RUNS_FILE)
+        if (old.get('method'), old.get('base_seed')) != (plan.method, base):
+            raise ValueError(f"{out / RUNS_FILE}: the runs there are of --method {old.get('method')} from seed {old.get('base_seed')}, "
+                             f"not --method {plan.method} from seed {base}; pass a new --out")
+        if old.get('runs', 0) > plan.runs: index = old      # a shorter rerun keeps the list of the longer one
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / RUNS_FILE, index)
+    ms, runs = plan.model, []
+    for k in range(plan.runs):
+        seed = base + k
+        opts = dataclasses.replace(plan.options, record={**plan.options.record, 'independent_run': {'index': k, 'runs': index['runs'], 'seed': seed}})
+        runs.append(run_sync(start_run(plan.method, plan.problems, dataclasses.replace(plan.config, seed=seed), out / f'run-{k}',
+                                       model=ms.model, backend=ms.backend, base_url=ms.base_url, options=opts, **plan.llm_kw)))
+    return runs
+
+# %% ../nbs/24_runs.ipynb #b7f3355a
+def run_folders(folder) -> list[Path]:
+    "The run folders of `folder`: itself when it holds one run, else the independent runs its runs.json lists (those that exist), in order."
+    folder = Path(folder)
+    if (folder / 'config.json').exists(): return [folder]
+    if not (folder / RUNS_FILE).exists():
+        raise FileNotFoundError(f"{folder}: neither a run folder (config.json) nor a folder of independent runs ({RUNS_FILE})")
+    names = [f for f in read_json(folder / RUNS_FILE, RUNS_FILE).get('folders', []) if isinstance(f, str)]
+    # a folder may come from elsewhere: only plain names inside it, never a path out of it
+    return [folder / f for f in names if f not in ('', '.', '..') and Path(f).name == f and (folder / f / 'config.json').exists()]
+
+def independent_runs(folder) -> list[Run]:
+    "Every run of `folder` (one run, or the independent runs of `tmas run --runs K`), read."
+    return [load_run(d) for d in run_folders(folder)]
+
+def pass_at_1_by_run(folder) -> pd.DataFrame:
+    "Pass@1 per independent run and iteration of `folder` (judged where `tmas judge` graded the run): run, seed, iteration, pass_at_1, candidates, complete."
+    rows = []
+    for k, run in enumerate(independent_runs(folder)):
+        for r in pass_at_1_by_iteration(run.records).itertuples():
+            rows.append({'run': k, 'seed': int(run.settings.get('seed', 0)), 'iteration': int(r.iteration),
+                         'pass_at_1': float(r.pass_at_1), 'candidates': int(r.candidates), 'complete': run.complete})
+    return pd.DataFrame(rows, columns=['run', 'seed', 'iteration', 'pass_at_1', 'candidates', 'complete'])
+
+# %% ../nbs/24_runs.ipynb #5ef8da36
+def distillation_parts(run: Run) -> pd.DataFrame:
+    "Per trajectory an RSE run distilled: problem_id, iteration, candidate, and the distillation calls it took (`parts`; 1: the whole trajectory in one call)."
+    rows, seen = [], {}
+    for e in run.memory_events:
+        if e.get('agent') != 'distillation': continue
+        key = (e['problem_id'], int(e['iteration']))
+        seen[key] = seen.get(key, -1) + 1            # one update per trajectory, in candidate order
+        parts = e.get('parts') or (e.get('answer') or {}).get('parts') or 1   # older runs noted only a split, in the answer
+        rows.append({'problem_id': e['problem_id'], 'iteration': key[1], 'candidate': seen[key], 'parts': int(parts), 'ok': bool(e.get('ok'))})
+    return pd.DataFrame(rows, columns=['problem_id', 'iteration', 'candidate', 'parts', 'ok'])
 
 # %% ../nbs/24_runs.ipynb #9f954e87
 CUT_WARNING = 0.2
@@ -498,8 +663,13 @@ def run_facts(run: Run) -> dict:
             answers[str(pid)] = {'gold': g.gold.iloc[0], 'iteration': int(g.iteration.iloc[0]),
                                  'answers': [{'answer': a, 'correct': bool(c), 'finish_reason': f}
                                              for a, c, f in zip(g.answer, g.correct, g.finish_reason)]}
-    return {'wall_s': float(run.status.get('wall_s', 0.0)), 'engine': engine, 'backend': cfg.get('backend'),
-            'truncated_by_role': cut, 'warnings': warnings, 'answers': answers}
+    out = {'wall_s': float(run.status.get('wall_s', 0.0)), 'engine': engine, 'backend': cfg.get('backend'),
+           'truncated_by_role': cut, 'warnings': warnings, 'answers': answers}
+    if run.method == 'rse':
+        d = distillation_parts(run)
+        out['distillation'] = {'trajectories': int(len(d)), 'whole': int((d.parts == 1).sum()), 'most_parts': int(d.parts.max()) if len(d) else 0,
+                               'context': (cfg.get('config') or {}).get('distill_context'), 'context_from': cfg.get('distill_context_source')}
+    return out
 
 # %% ../nbs/24_runs.ipynb #a0aec488
 def facts_lines(facts: dict) -> list[str]:
@@ -507,6 +677,11 @@ def facts_lines(facts: dict) -> list[str]:
     cut = facts['truncated_by_role']
     out = ['cut by the token limit: ' + (', '.join(f"{r} {d['truncated']}/{d['samples']} ({d['share']:.0%})" for r, d in cut.items()) or 'no counts recorded')]
     out += facts['warnings']
+    if facts.get('distillation'):
+        d = facts['distillation']
+        out.append(f"distilled trajectories: {d['whole']} of {d['trajectories']} in one call, at most {d['most_parts']} parts; the "
+                   f"distiller's context {d['context'] or 'unknown (parts sized for ' + str(DISTILL_CONTEXT) + ')'}"
+                   + (f" ({d['context_from']})" if d.get('context_from') else ''))
     if facts['answers']: out.append('answers in the last iteration (+ correct, - wrong, cut: stopped by the token limit):')
     for pid, a in facts['answers'].items():
         shown = ', '.join(f"{x['answer'] if x['answer'] is not None else 'none'}{' (cut)' if x['finish_reason'] == 'length' else ''} "
@@ -526,8 +701,23 @@ def summary_text(s: dict, facts: dict) -> str:
     lines.append('completion tokens: ' + ', '.join(f'{r} {n}' for r, n in s['tokens_by_role'].items()))
     lines += [f'  at {url}: ' + ', '.join(f'{r} {n}' for r, n in roles.items()) for url, roles in s.get('tokens_by_endpoint', {}).items()]
     return terminal_safe('\n'.join(lines + facts_lines(facts)))
+def _summary_of_runs(folder, as_json: bool = False) -> int:
+    "`tmas runs summary` of a folder of independent runs: Pass@1 by iteration, mean ± std over the runs, and each run's last."
+    df = pass_at_1_by_run(folder)
+    agg = df.groupby('iteration').pass_at_1.agg(['mean', 'std', 'count']).reset_index()
+    if as_json:
+        print(json.dumps({'runs': int(df.run.nunique()), 'by_run': df.to_dict('records'),
+                          'by_iteration': [{'iteration': int(r.iteration), 'mean': float(r.mean), 'runs': int(r.count),
+                                            'std': None if r.std != r.std else float(r.std)} for r in agg.itertuples()]}))
+        return 0
+    print(f"{df.run.nunique()} independent runs (seeds {', '.join(map(str, sorted(set(df.seed))))}) in {terminal_safe(str(folder))}")
+    print('iteration  pass@1 mean ± std over runs  runs')
+    for r in agg.itertuples(): print(f"{r.iteration:>9}  {r.mean:.4f} ± {0.0 if r.std != r.std else r.std:.4f}{'':>14}{r.count:>5}")
+    return 0
 
 def _cmd_summary(args) -> int:
+    if not (Path(args.run_dir) / 'config.json').exists() and (Path(args.run_dir) / RUNS_FILE).exists():
+        return _summary_of_runs(args.run_dir, args.json)
     run = load_run(args.run_dir)
     s = run.summary()
     facts = run_facts(run)
@@ -560,6 +750,12 @@ def run_cli(p) -> None:
     p.add_argument('--dry-run', dest='dry_run', action='store_true',
                    help='print the calls and samples per role, the tokens, the estimated wall time and the engine, and exit (without a '
                         'calibration it times the model for a few seconds)')
+    p.add_argument('--runs', type=int, default=None, metavar='K',
+                   help="independent runs: K seeds (the run's seed + 0 ... K-1) into OUT/run-0 ... OUT/run-K-1, listed in OUT/runs.json; "
+                        "each resumes on its own (default: the paper's, 8 under rse-paper, else 1: OUT is the run folder)")
+    p.add_argument('--rse-sampling', dest='rse_sampling', default=None, choices=list(RSE_SAMPLINGS),
+                   help="--method rse --preset tmas-paper: sample with RSE's own row for the backbone (rse, the default: TMAS ran "
+                        "RSE's official code) or with TMAS's sampling (tmas)")
     p.add_argument('--problem-ids', dest='problem_ids', default=None, help='a file of problem ids, one per line (e.g. from `tmas data hard-subset`)')
     p.add_argument('--limit', type=positive_int, default=None, help='only the first K problems (default: every problem)')
     p.add_argument('--yes', action='store_true', help='start a run on this CPU whose estimate exceeds an hour (without a preset such a run asks for --yes)')
@@ -622,7 +818,7 @@ def effective_defaults(fld: str, model: str = 'default') -> str:
         if len(by) == 1: return next(iter(by))
         *rest, (last, _) = sorted(by.items(), key=lambda kv: len(kv[1]))   # the largest group is 'others'
         return ', '.join(f"{'/'.join(ms)} {v}" for v, ms in rest) + f", others {last}"
-    base = {m: METHODS[m].config_class.__dataclass_fields__[fld].default for m in names}
+    base = {m: getattr(METHODS[m].config_class(), fld) for m in names}   # a default resolved when the config is made (TMAS's ε)
     parts = [f"default: {group(base)}"]
     for preset in ('tmas-paper', 'rse-paper', 'cpu-demo'):
         got = {m: preset_values(preset, m, model)[0].get(fld, base[m]) for m in names}

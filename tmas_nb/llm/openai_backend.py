@@ -16,7 +16,7 @@ from .models import resolve_model as local_model_path
 # %% auto #0
 __all__ = ['TOKEN_COUNT_SOURCES', 'EXACT_SOURCES', 'DEFAULT_BASE_URL', 'SHARD_CONNECTIONS', 'request_body', 'parse_choices',
            'LLMRequestError', 'backoff_delay', 'parse_retry_after', 'n_limit_from_refusal', 'updated_settings',
-           'OpenAIClientSettings', 'OpenAIBackend', 'ClientShards']
+           'OpenAIClientSettings', 'OpenAIBackend', 'served_context_length', 'ClientShards']
 
 # %% ../../nbs/13_llm_openai.ipynb #1e0bef65
 def request_body(model: str, request: Request, n: int | None = None, seed: int | None = None,
@@ -256,6 +256,36 @@ def _discover_now(self:OpenAIBackend):
     except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
         return                              # the server may not be up yet: resolve on the first call
     if len(names) == 1: self.model = self.model_id = names[0]
+
+# %% ../../nbs/13_llm_openai.ipynb #8a3a2ca3
+def _positive_int(x) -> int | None:
+    "`x` as a positive int when it is one (a bool or a float with a fraction is not), else None."
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or x != int(x) or x < 1: return None
+    return int(x)
+
+def served_context_length(base_url: str, model: str | None = None, api_key: str | None = None,
+                          timeout: float = 5.0) -> tuple[int | None, str | None]:
+    "(context in tokens, where it was read) of the model served at `base_url`: `/v1/models` `max_model_len` (vLLM, SGLang, `tmas serve`), else `/props` `n_ctx` (llama-server); (None, None) when neither says."
+    url = _normalise_base_url(base_url)
+    headers = {'Authorization': f'Bearer {api_key}'} if api_key else {}
+    def get(u):
+        try:
+            r = httpx.get(u, headers=headers, timeout=timeout)
+            return r.json() if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError): return None
+    data = get(url + '/models')
+    entries = [m for m in (data.get('data') if isinstance(data, dict) else None) or [] if isinstance(m, dict)]
+    if model is not None: entries = [m for m in entries if m.get('id') == model] or entries
+    lens = {_positive_int(m.get('max_model_len')) for m in entries} - {None}
+    if len(lens) == 1: return lens.pop(), 'max_model_len of GET /v1/models'
+    root = url[:-len('/v1')] if url.endswith('/v1') else url
+    props = get(root + '/props')
+    if isinstance(props, dict):
+        gen = props.get('default_generation_settings')
+        n = _positive_int(gen.get('n_ctx')) if isinstance(gen, dict) else None
+        n = n or _positive_int(props.get('n_ctx'))
+        if n: return n, 'n_ctx of GET /props'
+    return None, None
 
 # %% ../../nbs/13_llm_openai.ipynb #1e5e155a
 @patch(as_prop=True)

@@ -452,7 +452,9 @@ def create_app(llm: LLM, served_model_name: str | None = None, limits: ServerLim
 
     @app.get('/v1/models')
     async def models():
-        return {'object': 'list', 'data': [{'id': name, 'object': 'model', 'created': created, 'owned_by': 'tmas_nb'}]}
+        card = {'id': name, 'object': 'model', 'created': created, 'owned_by': 'tmas_nb'}
+        if limits.context: card['max_model_len'] = limits.context      # as vLLM reports the served context
+        return {'object': 'list', 'data': [card]}
 
     @app.get('/v1/usage')
     async def usage(): return llm.usage.to_dict()
