@@ -11,9 +11,9 @@ from .core import terminal_safe
 from .settings import CommandHelp
 
 # %% auto #0
-__all__ = ['GROUPS', 'COMMANDS', 'DOCS_URL', 'GUIDES', 'GUIDE_OF', 'EXPECTED', 'guide_of', 'guide_line', 'guides_epilog',
-           'build_parser', 'command_named', 'did_you_mean', 'TmasParser', 'UserError', 'error_message', 'error_dir',
-           'save_traceback', 'run_command', 'main', 'leave_now']
+__all__ = ['GROUPS', 'COMMANDS', 'DOCS_URL', 'GUIDES', 'GUIDE_OF', 'EXPECTED', 'guide_of', 'guide_line', 'GuideHelp',
+           'guides_epilog', 'build_parser', 'command_named', 'did_you_mean', 'TmasParser', 'UserError', 'error_message',
+           'error_dir', 'save_traceback', 'run_command', 'main', 'leave_now']
 
 # %% ../nbs/99_cli.ipynb #b1ee5884
 GROUPS = {
@@ -163,6 +163,11 @@ def guide_line(name: str) -> str:
     g = guide_of(name)
     return f'guide: {GUIDES[g]} (nbs/guides/{g}.ipynb, {DOCS_URL}guides/{g}.html)'
 
+class GuideHelp(CommandHelp):
+    "A command's help, with its guide line kept whole (argparse would wrap the address at a hyphen)."
+    def _fill_text(self, text, width, indent):
+        return indent + text if text.startswith('guide: ') else super()._fill_text(text, width, indent)
+
 def guides_epilog() -> str:
     "What `tmas --help` ends with: every guide."
     return ('guides (nbs/guides/, and ' + DOCS_URL + '):\n' +
@@ -183,11 +188,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     for name in [*GROUPS, *COMMANDS]:
         head, _, leaf = name.partition(' ')
         if name in GROUPS:
-            g = top.add_parser(name, help=GROUPS[name], formatter_class=CommandHelp, epilog=guide_line(name))
+            g = top.add_parser(name, help=GROUPS[name], formatter_class=GuideHelp, epilog=guide_line(name))
             groups[name] = g.add_subparsers(dest=f'{name}_command', metavar='SUBCOMMAND'); groups[name].required = True
             continue
         target, help_, desc = COMMANDS[name]
-        kw = dict(help=help_, description=desc, formatter_class=CommandHelp, epilog=guide_line(name))
+        kw = dict(help=help_, description=desc, formatter_class=GuideHelp, epilog=guide_line(name))
         sub = groups[head].add_parser(leaf, **kw) if leaf else top.add_parser(name, **kw)
         if only is None or only == name: _flags_of(target)(sub)
     return p
