@@ -221,19 +221,23 @@ def build(pages: list[Path], out: Path, strict: bool) -> int:
         nbformat.write(nb, dest)
     shutil.copytree(images, stage / 'images')
     problems += links.problems
+    for line in problems: print(f"{'error' if strict else 'warning'}: {line}", file=sys.stderr)
+    if strict and problems: print(f"the site has {len(problems)} problem(s) above", file=sys.stderr); return 1
+    t_stage = time.time()
     shutil.rmtree(out, ignore_errors=True)
     cmd = [sys.executable, '-m', 'sphinx', '-b', 'html', '-c', str(ROOT / 'docs'), '-E', '-q', '-j', '2',
            '-d', str(work / 'doctrees'), *(['-W', '--keep-going'] if strict else []), str(stage), str(html)]
     r = subprocess.run(cmd, cwd=ROOT)
     if r.returncode: print(f"sphinx failed (exit {r.returncode})", file=sys.stderr); return 1
     shutil.move(html, out)
+    t_sphinx = time.time()
     for p, nb in staged.items():
         (out / staged_name(p).with_suffix('.html.md')).write_text(markdown_copy(nb), encoding='utf-8')
     (out / 'llms.txt').write_text(llms_txt(staged, pages), encoding='utf-8')
-    for line in problems: print(f"{'error' if strict else 'warning'}: {line}", file=sys.stderr)
-    if strict and problems: print(f"the site has {len(problems)} problem(s) above", file=sys.stderr); return 1
+    t = time.time()
     print(f"built {len(pages)} pages into {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out} "
-          f"in {time.time() - t0:.0f} s{'' if strict else ' (not strict)'}")
+          f"in {t - t0:.0f} s (staging and API reference {t_stage - t0:.0f} s, Sphinx {t_sphinx - t_stage:.0f} s, "
+          f"Markdown and llms.txt {t - t_sphinx:.0f} s){'' if strict else ' (not strict)'}")
     return 0
 
 
