@@ -41,7 +41,8 @@ def render() -> tuple[str, dict[str, bytes]]:
     exp = MarkdownExporter()
     body, res = exp.from_notebook_node(nb, resources={'output_files_dir': FILES, 'unique_key': 'README'})
     body = re.sub(r'\n{3,}', '\n\n', body).strip() + '\n'
-    body = body.replace('](images/', '](nbs/images/')   # pictures beside the notebook, seen from the repository root
+    for folder in ('images/', 'guides/'):   # pictures and guides beside the notebook, seen from the repository root
+        body = body.replace(f'](' + folder, f'](nbs/' + folder)
     note = '<!-- Generated from nbs/index.ipynb by `python .ci/readme.py`; edit the notebook, not this file. -->\n'
     return note + body, dict(res.get('outputs', {}))
 

@@ -11,8 +11,9 @@ from .core import terminal_safe
 from .settings import CommandHelp
 
 # %% auto #0
-__all__ = ['GROUPS', 'COMMANDS', 'EXPECTED', 'build_parser', 'command_named', 'did_you_mean', 'TmasParser', 'UserError',
-           'error_message', 'error_dir', 'save_traceback', 'run_command', 'main', 'leave_now']
+__all__ = ['GROUPS', 'COMMANDS', 'DOCS_URL', 'GUIDES', 'GUIDE_OF', 'EXPECTED', 'guide_of', 'guide_line', 'GuideHelp',
+           'guides_epilog', 'build_parser', 'command_named', 'did_you_mean', 'TmasParser', 'UserError', 'error_message',
+           'error_dir', 'save_traceback', 'run_command', 'main', 'leave_now']
 
 # %% ../nbs/99_cli.ipynb #b1ee5884
 GROUPS = {
@@ -129,6 +130,49 @@ COMMANDS = {   # command: (module:function that adds its flags, help, descriptio
 }
 
 
+# %% ../nbs/99_cli.ipynb #85237b11
+DOCS_URL = 'https://tmas-nb.github.io/tmas_nb/'   # settings.ini's doc_host + doc_baseurl (tests/test_docs.py checks)
+
+GUIDES = {   # nbs/guides/NAME.ipynb: its title
+    '00_setup': 'Install, test and develop',
+    '01_your_model': 'TMAS, RSE and the baselines on your model and server',
+    '02_replay': 'AutoTTS replay: controllers, stores and controller files',
+    '03_discovery': 'Controller discovery with your own coding agent',
+    '04_live_controllers': 'Controllers live on a model',
+    '05_hybrid_rl': 'Hybrid-RL: from data to Figure 3',
+    '06_reading_runs': 'Reading and comparing runs',
+    '07_servers_and_scale': 'Servers and scale',
+    '08_sandbox': 'The sandbox and what it guarantees',
+}
+
+GUIDE_OF = {   # a command, or a group for all its commands: the guide that explains it
+    'replay': '02_replay', 'grade': '06_reading_runs', 'serve': '07_servers_and_scale', 'gateway': '07_servers_and_scale',
+    'engines': '07_servers_and_scale', 'run': '01_your_model', 'runs': '06_reading_runs', 'runs watch': '01_your_model',
+    'compare': '06_reading_runs', 'report': '06_reading_runs', 'rl': '05_hybrid_rl', 'discover': '03_discovery',
+    'data': '01_your_model', 'judge': '06_reading_runs', 'cache': '06_reading_runs', 'doctor': '00_setup',
+}
+
+def guide_of(name: str) -> str:
+    "The guide that explains command `name` ('runs summary', 'run', a group): its own entry, else its group's."
+    g = GUIDE_OF.get(name) or GUIDE_OF.get(name.split(' ')[0])
+    if g is None: raise KeyError(f'no guide names the command {name!r}: add it to GUIDE_OF')
+    return g
+
+def guide_line(name: str) -> str:
+    "The last line of a command's --help: the guide that explains it, as a notebook and as a page of the site."
+    g = guide_of(name)
+    return f'guide: {GUIDES[g]} (nbs/guides/{g}.ipynb, {DOCS_URL}guides/{g}.html)'
+
+class GuideHelp(CommandHelp):
+    "A command's help, with its guide line kept whole (argparse would wrap the address at a hyphen)."
+    def _fill_text(self, text, width, indent):
+        return indent + text if text.startswith('guide: ') else super()._fill_text(text, width, indent)
+
+def guides_epilog() -> str:
+    "What `tmas --help` ends with: every guide."
+    return ('guides (nbs/guides/, and ' + DOCS_URL + '):\n' +
+            '\n'.join(f'  {g:<22}{title}' for g, title in GUIDES.items()))
+
 # %% ../nbs/99_cli.ipynb #c1a2b3d4
 def _flags_of(target: str):
     "The function named by 'module:function'."
@@ -137,17 +181,18 @@ def _flags_of(target: str):
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     "The `tmas` argument parser, from `GROUPS` and `COMMANDS`; with `only`, just that command gets its flags (and imports its module)."
-    p = TmasParser(prog='tmas', description='Test-time scaling research: TMAS, RSE and the AutoTTS replay environment.')
+    p = TmasParser(prog='tmas', description='Test-time scaling research: TMAS, RSE and the AutoTTS replay environment.',
+                   epilog=guides_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     top = p.add_subparsers(dest='command', metavar='COMMAND'); top.required = True
     groups = {}
     for name in [*GROUPS, *COMMANDS]:
         head, _, leaf = name.partition(' ')
         if name in GROUPS:
-            g = top.add_parser(name, help=GROUPS[name], formatter_class=CommandHelp)
+            g = top.add_parser(name, help=GROUPS[name], formatter_class=GuideHelp, epilog=guide_line(name))
             groups[name] = g.add_subparsers(dest=f'{name}_command', metavar='SUBCOMMAND'); groups[name].required = True
             continue
         target, help_, desc = COMMANDS[name]
-        kw = dict(help=help_, description=desc, formatter_class=CommandHelp)
+        kw = dict(help=help_, description=desc, formatter_class=GuideHelp, epilog=guide_line(name))
         sub = groups[head].add_parser(leaf, **kw) if leaf else top.add_parser(name, **kw)
         if only is None or only == name: _flags_of(target)(sub)
     return p

@@ -80,7 +80,7 @@ def prompt_tokens(role: str, config) -> float:
 # %% ../nbs/24d_estimates.ipynb #0246f9a0
 README_SPEEDS = {'transformers': {1: 6.0, 8: 22.4, 64: 39.5}, 'transformers-int8': {1: 19.9, 8: 110.6, 64: 110.7},
                  'llama.cpp': {1: 21.6, 8: 21.5, 64: 14.9}}
-"Tokens/s of the packaged model per engine at 1, 8 and 64 in flight, one thread, idle two-core CPU (README, reports/cpu_engines.ipynb)."
+"Tokens/s of the packaged model per engine at 1, 8 and 64 in flight, one thread, idle two-core CPU (the engines table of the guide 'Servers and scale', reports/cpu_engines.ipynb)."
 
 # %% ../nbs/24d_estimates.ipynb #0299f263
 PREFILL_RATIO = 10.0
@@ -94,7 +94,7 @@ def split_speeds(table: dict) -> tuple[dict, float]:
 # %% ../nbs/24d_estimates.ipynb #ac86d0bb
 def quick_speed(model: str = 'default', engine: str = 'transformers', threads: int | None = None,
                 max_new_tokens: int = 8) -> tuple[dict, float]:
-    "({width: tokens/s, 'prefill': prompt tokens/s}: one request timed here, the other widths by the README's ratios; seconds to load)."
+    "({width: tokens/s, 'prefill': prompt tokens/s}: one request timed here, the other widths by the ratios of the engines table (guide 'Servers and scale'); seconds to load)."
     t0 = time.perf_counter()
     llm = engine_llm(engine, model, threads)
     def timed(prompt, tokens):
@@ -155,7 +155,7 @@ def speed_of(model: str, engine: str, threads: int | None, measure: bool = False
     if measure:
         speeds, load = quick_speed(model, engine, threads)
         return speeds, 'a quick measurement here (a few seconds; `tmas engines calibrate` measures properly)', load
-    return dict(README_SPEEDS[engine]), "the README's table (an idle two-core CPU; `tmas engines calibrate` measures this machine)", 3.0
+    return dict(README_SPEEDS[engine]), "the engines table of the guide 'Servers and scale' (an idle two-core CPU; `tmas engines calibrate` measures this machine)", 3.0
 
 # %% ../nbs/24d_estimates.ipynb #00c1f5b7
 def estimate_run(method: str, config, n_problems: int, concurrency: int = 4, model: str = 'default', backend: str = 'auto',
@@ -212,4 +212,4 @@ def calibration_hint(method: str, config, n_problems: int, concurrency: int, e: 
     if t >= 0.9 * e.wall_s: return None
     return (f"hint: no engine calibration on this machine, so this run uses float32 (about {fmt_seconds(e.wall_s)}); after "
             f"`tmas engines calibrate` (under 3 min on 2 cores) it would take about {fmt_seconds(t)} on int8 "
-            f"({e.wall_s / t:.1f}x faster, by the README's measured ratio)")
+            f"({e.wall_s / t:.1f}x faster, by the measured ratio in the guide 'Servers and scale')")

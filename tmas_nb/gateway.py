@@ -16,7 +16,7 @@ from .data import Problem, load_benchmark
 from .estimates import planned_calls
 from .llm.core import LLM
 from .llm.server import (BadRequest, ServerLimits, Admission, ClientGone, read_json, unless_disconnected, check_exposure,
-                         is_loopback, LoopbackHostsOnly, _refusal, _error_body, _key_check, _bind, _uvicorn_server)
+                         is_loopback, LoopbackHostsOnly, _refusal, _error_body, KeyRequired, ConnectionGuard, _bind, _uvicorn_server)
 from .methods import METHODS
 from .replay.controllers import CONTROLLERS, parse_controller
 from .replay.live_run import ControllerMethod
@@ -411,10 +411,11 @@ def create_gateway_app(gateway: Gateway, limits: ServerLimits | None = None, api
     from fastapi.responses import JSONResponse, Response
     limits = limits or ServerLimits()
     app = FastAPI(title='tmas_nb gateway', version='1')
-    if api_key: app.middleware('http')(_key_check(api_key))
     if loopback_only: app.add_middleware(LoopbackHostsOnly)
+    if api_key: app.add_middleware(KeyRequired, api_key=api_key)   # outermost, as in `tmas serve`
     s = app.state
     s.gateway, s.limits, s.admission = gateway, limits, Admission(limits.max_queue)
+    s.guard = ConnectionGuard(limits)   # the connection limits `tmas serve` has (its http server reads them)
     created = int(time.time())
 
     @app.get('/health')

@@ -155,7 +155,7 @@ PROTOCOLS = {
 JUDGE_HINT = "grade as the paper: tmas judge RUN_DIR --judge URL_OR_MODEL --repeats 4"
 
 # %% ../nbs/24b_presets.ipynb #be0abdda
-CPU_DEMO = {   # with --limit 2: minutes on an idle 2-core CPU (`tmas run --dry-run` estimates it; measured times in the README)
+CPU_DEMO = {   # with --limit 2: minutes on an idle 2-core CPU (`tmas run --dry-run` estimates it; measured times in the guide 'Your model and server')
     'tmas': dict(n_candidates=2, n_verifications=1, iterations=2, max_new_tokens=256, embedder='hashing'),
     'rse': dict(n_candidates=2, iterations=2, max_new_tokens=256, embedder='hashing'),
     '*': dict(n_candidates=2, iterations=2, max_new_tokens=256)}
