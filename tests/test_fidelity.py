@@ -47,11 +47,8 @@ def test_hard_subset_defaults_to_the_models_full_budget(tmp_path):
     "Without --max-new-tokens the reference model gets TMAS's 128K capped to its context (was: 4,096 for every model)."
     from tmas_nb.hard_subset import full_budget
     assert full_budget('default', 'transformers')[0] == 32_768 - 4096          # Qwen2.5-Coder-0.5B: a 32K context
-    rc, _, err = _cli(*HARD, '--limit', '0', '--out', str(tmp_path / 'ids.txt'))  # no problem: no sample, only the budget
-    assert rc == 0, err
-    head = [l for l in (tmp_path / 'ids.txt').read_text().splitlines() if l.startswith('#')]
-    assert '# max_new_tokens: 4096' in head                                    # smollm2: 8K context, half kept for the prompt
-    assert any(l.startswith("# budget: TMAS's budget of 128000 tokens capped to the model's context of 8192") for l in head)
+    n, why = full_budget('smollm2', 'transformers')                           # smollm2: 8K context, half kept for the prompt
+    assert n == 4096 and why.startswith("TMAS's budget of 128000 tokens capped to the model's context of 8192")
 
 
 def test_hard_subset_refuses_a_subset_of_cut_samples_unless_forced(tmp_path):

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from .core import terminal_safe
 from .settings import CommandHelp
+import difflib, re
+import threading
 
 # %% auto #0
 __all__ = ['GROUPS', 'COMMANDS', 'DOCS_URL', 'GUIDES', 'GUIDE_OF', 'EXPECTED', 'guide_of', 'guide_line', 'GuideHelp',
@@ -208,7 +210,6 @@ def command_named(argv: list[str]) -> str | None:
 # %% ../nbs/99_cli.ipynb #11b2f4ee
 def did_you_mean(message: str, parser: argparse.ArgumentParser) -> str:
     "'; did you mean --limit?' for an argparse `message` about a misspelled flag of `parser` or a misspelled choice; else ''."
-    import difflib, re
     if message.startswith('unrecognized arguments:'):
         flags = [s for a in parser._actions if a.help is not argparse.SUPPRESS for s in a.option_strings]
         guesses = [g for t in message.split(':', 1)[1].split() if t.startswith('-')
@@ -332,7 +333,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def leave_now(rc: int) -> None:
     "After Ctrl-C: exit with `rc` at once when a thread still works (a model loading); the interpreter would wait for it at exit."
-    import threading
     if not any(t is not threading.main_thread() and t.is_alive() for t in threading.enumerate()): return
     for f in (sys.stdout, sys.stderr):
         try: f.flush()

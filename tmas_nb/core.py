@@ -224,7 +224,7 @@ def folder_lock(folder, what: str = 'run folder'):
         _HELD.pop(key, None); os.close(fd)
 
 # %% ../nbs/00_core.ipynb #781aed45
-HEAVY_MODULES = ('torch', 'transformers', 'trl', 'sentence_transformers', 'accelerate', 'peft', 'datasets', 'math_verify', 'sympy')
+HEAVY_MODULES = ('torch', 'transformers', 'trl', 'sentence_transformers', 'accelerate', 'peft', 'datasets', 'math_verify', 'sympy', 'huggingface_hub')
 "The optional dependencies that are imported only on first use (through `lazy_import`)."
 
 

@@ -19,6 +19,7 @@ from .llm.core import Request, run_sync
 from .llm.loading import load_llm
 from .presets import PAPER_TOKEN_BUDGET
 from .runs import cap_to_context, context_of
+from .settings import positive_int
 
 # %% auto #0
 __all__ = ['CUT_LIMIT', 'SolveCounts', 'sample_solves', 'count_solves', 'build_hard_subset', 'full_budget', 'hard_subset_cli']
@@ -151,7 +152,6 @@ def hard_subset_cli(p) -> None:
     p.add_argument('--allow-cut', dest='allow_cut', action='store_true',
                    help=f'write the subset even when more than {CUT_LIMIT:.0%} of the samples were cut by the token limit (the file records it)')
     p.add_argument('--judge', default=None, help="grade the samples with this LLM judge (a model name, a folder or an OpenAI-compatible URL) instead of the rules")
-    from tmas_nb.settings import positive_int
     p.add_argument('--limit', type=positive_int, default=None, help='only the first N problems (a quick check)')
     p.add_argument('--threads', type=int, default=None, help='torch CPU threads')
     p.add_argument('--quiet', action='store_true')

@@ -18,6 +18,7 @@ import seaborn as sns
 from .cli import UserError, error_message
 from .core import repo_root, find_data_dir, DATA_HINT
 from .stats import bootstrap_interval
+import difflib
 
 # %% auto #0
 __all__ = ['PATH_PARAMETERS', 'REPORT_INPUTS', 'FIGURE_DPI', 'STYLE', 'reports_dir', 'list_reports', 'resolve_paths',
@@ -224,7 +225,6 @@ def report_parameters(name: str) -> set[str]:
 
 def check_parameters(name: str, parameters: dict | None, known: set[str] | None = None) -> None:
     "Refuse, in one `ValueError`, a parameter report `name` does not have (or none of `known`), naming the closest one it has."
-    import difflib
     known = (report_parameters(name) if known is None else set(known)) | {'out_dir'}
     bad = [k for k in (parameters or {}) if k not in known]
     if not bad: return

@@ -19,6 +19,7 @@ from .llm.models import canonical_model_name
 
 from .core import LOCK_FILE, atomic_file, atomic_write_bytes, atomic_write_json, lock_holder
 from .methods import RECORD_COLUMNS, MethodConfig, iter_checkpoints, read_checkpoints, records_frame
+from .core import terminal_safe
 
 # %% auto #0
 __all__ = ['RUN_FILES', 'FINISHED_FILES', 'BANK_COLUMNS', 'IDENTITY_KEYS', 'ROWS_PER_GROUP', 'CALL_COLUMNS', 'TMAS_VARIANTS',
@@ -456,7 +457,6 @@ def load_run(run_dir) -> Run:
         return Run(run_dir, cfg, records_frame(records), banks_frame(banks), {'by_role': usage_by_role}, status, judge, events,
                    running=running)
     if status.get('failed'):   # stopped by an error before any problem was checkpointed
-        from tmas_nb.core import terminal_safe   # the reason may quote a server's reply
         raise FileNotFoundError(f"{run_dir}: failed: {terminal_safe(status['failed'])}; nothing was kept. Fix that and rerun the same "
                                 f"`tmas run ... --out {run_dir}` command, or remove this folder.")
     raise FileNotFoundError(f"{run_dir}: missing {', '.join(missing)}; the run has not finished. Rerun the same "

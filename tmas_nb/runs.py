@@ -31,6 +31,8 @@ from .run_folder import (
     write_parquet, versions, RunConfigMismatch, run_config, check_run_folder, prepare_run_dir, collect_run,
     finish_run, write_status, read_status, judge_columns, grading_label, carry_forward,
     pass_at_1_by_iteration, tmas_variant, run_label, best_candidates, Run, banks_frame, load_run)   # the run folder format and reader, importable from here as before
+from .cli import error_message
+from asyncio import CancelledError
 
 # %% auto #0
 __all__ = ['METHOD_ROLES', 'ARM_SOURCES', 'STRUCTURE', 'ENDPOINT_ROLES', 'LONG_CPU_RUN_S', 'RUNS_FILE', 'CUT_WARNING',
@@ -236,13 +238,11 @@ class RunInterrupted(KeyboardInterrupt):
 
 def stop_reason(e: BaseException) -> str:
     "The one line `status.json` keeps for a run that failed with `e`: the command line's message, else the error's type and first words."
-    from tmas_nb.cli import error_message
     return error_message(e) or f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
 
 # %% ../nbs/24_runs.ipynb #9de4b911
 def record_stop(run_dir, e: BaseException, kept: int, wall: float, before: dict, progress: dict, est=None) -> dict:
     "Write `status.json` of a run stopped by `e` (`interrupted` for Ctrl-C, else `failed`) with the calls kept; Ctrl-C is raised on as `RunInterrupted`."
-    from asyncio import CancelledError
     interrupted = isinstance(e, (KeyboardInterrupt, CancelledError))
     why = {'interrupted': f'by Ctrl-C; {kept} calls kept'} if interrupted else {'failed': stop_reason(e)}
     st = write_status(run_dir, False, wall, invocations=before.get('invocations', 0) + 1, calls_kept=kept, progress=progress,

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, asdict, fields
 from typing import NamedTuple
 
 from fastcore.basics import patch
+import concurrent.futures
 
 # %% auto #0
 __all__ = ['MAX_TOP_LOGPROBS', 'THINK_OPEN', 'THINK_CLOSE', 'TRUNCATED_NOTE', 'BACKENDS', 'Request', 'ThinkingSplit',
@@ -292,7 +293,6 @@ async def generate(self:LLM, requests: list[Request]) -> list[list[Completion]]:
 # %% ../../nbs/10_llm_core.ipynb #9c00a88e
 async def in_own_thread(fn):
     "`fn()` run in a daemon thread of its own: a caller cancelled meanwhile (Ctrl-C) returns at once, where the loop's executor would be waited for on shutdown."
-    import concurrent.futures
     fut = concurrent.futures.Future()
     def run():
         try: fut.set_result(fn())
