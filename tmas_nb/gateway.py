@@ -4,27 +4,29 @@
 
 # %% ../nbs/27_gateway.ipynb #86c54921
 from __future__ import annotations
-import asyncio, hashlib, json, math, os, re, sys, time, uuid, weakref
+import asyncio, hashlib, json, math, os, re, sys, threading, time, uuid, weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from fastcore.basics import patch
-from starlette.responses import Response as StarletteResponse
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import Response
 
 from .core import json_ready
 from .data import Problem, load_benchmark
 from .estimates import planned_calls
 from .llm.core import LLM
-from .llm.guards import (HTTPLimits, BadRequest, ClientGone, Admission, ConnectionGuard, KeyRequired, LoopbackHostsOnly,
+from .llm.guards import (HTTPLimits, BadRequest, ClientGone, Admission, ConnectionGuard,
                                 error_body, json_bytes, read_json, judge_chat_size, unless_disconnected, check_exposure,
                                 is_loopback, add_http_flags, http_limits_from_args, flag_message)
-from .llm.server import refusal, _bind, _close_within, _uvicorn_server
+from .llm.loading import load_llm
+from .llm.server import refusal, guarded_app, _bind, _close_within, _uvicorn_server
 from .methods import METHODS
 from .replay.controllers import CONTROLLERS, parse_controller
 from .replay.live_run import ControllerMethod
 from .run_folder import Run, best_candidates, load_run, read_status
 from .runs import RunOptions, layer_settings, parse_role_endpoints, start_run, record_server
-from .settings import setting, add_settings
+from .settings import setting, add_settings, resolve
 
 # %% auto #0
 __all__ = ['CONTROLLER_PREFIX', 'LISTED_CONTROLLERS', 'UNGRADED', 'SETTINGS_KEY', 'OPENAI_FIELDS', 'NOT_FROM_CLIENTS',
@@ -376,7 +378,7 @@ async def respond(self:Gateway, req: GatewayRequest) -> dict:
     return {'content': content, 'finish': finish, 'ext': ext, 'usage': _usage(run)}
 
 # %% ../nbs/27_gateway.ipynb #3bcbb554
-class EventStream(StarletteResponse):
+class EventStream(Response):
     "A response streaming a request's progress and then its answer as server-sent events; when the client leaves, the run is cancelled."
     def __init__(self, run_dir: Path, req: GatewayRequest, work, done=None, every_s: float = 1.0):
         self.background, self.run_dir, self.req, self.work, self.done, self.every_s = None, Path(run_dir), req, work, done, every_s
@@ -418,8 +420,6 @@ class EventStream(StarletteResponse):
 # %% ../nbs/27_gateway.ipynb #52bdfb20
 def _chat_route(app):
     "The chat route of `app`: the body judged (size, depth, messages) and resolved before a place in the queue, the run in its turn, cancelled when its client leaves."
-    from fastapi import Request as HTTPRequest
-    from fastapi.responses import Response
     s = app.state
     g, limits = s.gateway, s.limits
     async def chat(request):
@@ -446,11 +446,8 @@ def _chat_route(app):
 # %% ../nbs/27_gateway.ipynb #5f2b7c3d
 def create_gateway_app(gateway: Gateway, limits: HTTPLimits | None = None, api_key: str | None = None, loopback_only: bool = False):
     "A FastAPI application serving `gateway` at `/v1/chat/completions`, `/v1/models` and `/health`, behind `tmas serve`'s guards."
-    from fastapi import FastAPI
     limits = limits or GATEWAY_LIMITS
-    app = FastAPI(title='tmas_nb gateway', version='1')
-    if loopback_only: app.add_middleware(LoopbackHostsOnly)
-    if api_key: app.add_middleware(KeyRequired, api_key=api_key)      # outermost: no route, the documentation included, without the key
+    app = guarded_app('tmas_nb gateway', api_key, loopback_only)
     s = app.state
     s.gateway, s.limits, s.guard = gateway, limits, ConnectionGuard(limits)
     s.admission = Admission(limits.max_queue, gate=gateway.concurrency)   # a run is one place; `concurrency` of them at once
@@ -473,7 +470,6 @@ class GatewayThread:
     "Serve a `Gateway` from a background thread (notebooks, tests); a context manager."
     def __init__(self, gateway: Gateway, host: str = '127.0.0.1', port: int = 0, limits: HTTPLimits | None = None,
                  api_key: str | None = None, log_level: str = 'warning'):
-        import threading
         self.sock = _bind(host, port)
         self.host, self.port = host, self.sock.getsockname()[1]
         self.app = create_gateway_app(gateway, limits, api_key, loopback_only=is_loopback(host) and not api_key)
@@ -500,7 +496,6 @@ class GatewayThread:
 # %% ../nbs/27_gateway.ipynb #bf3dc4fa
 def open_upstream(s: GatewaySettings) -> tuple[LLM, str, str, str | None]:
     "(model, its name in run folders, backend, base URL) of `--upstream`: a server's URL, or a model loaded in this process."
-    from tmas_nb.llm.loading import load_llm
     if s.upstream.startswith(('http://', 'https://')):
         llm = load_llm(s.upstream_model, 'openai', base_url=s.upstream, api_key=s.upstream_api_key, max_concurrency=64)
         return llm, llm.model_id, 'openai', llm.base_url
@@ -509,7 +504,6 @@ def open_upstream(s: GatewaySettings) -> tuple[LLM, str, str, str | None]:
 
 # %% ../nbs/27_gateway.ipynb #1620efef
 def _gateway_command(args) -> int:
-    from tmas_nb.settings import resolve
     os.environ.setdefault('HF_HUB_OFFLINE', '1')
     s, limits = resolve(GatewaySettings, args=args), gateway_limits(args)
     api_key = s.api_key or os.environ.get('TMAS_API_KEY') or None
