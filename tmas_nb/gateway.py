@@ -4,33 +4,37 @@
 
 # %% ../nbs/27_gateway.ipynb #86c54921
 from __future__ import annotations
-import asyncio, hashlib, json, math, os, re, sys, time, uuid, weakref
-from dataclasses import dataclass, field
+import asyncio, hashlib, json, math, os, re, sys, threading, time, uuid, weakref
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from fastcore.basics import patch
-from starlette.responses import Response as StarletteResponse
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import Response
 
 from .core import json_ready
 from .data import Problem, load_benchmark
 from .estimates import planned_calls
 from .llm.core import LLM
-from .llm.server import (BadRequest, ServerLimits, Admission, ClientGone, read_json, unless_disconnected, check_exposure,
-                         is_loopback, LoopbackHostsOnly, _refusal, _error_body, KeyRequired, ConnectionGuard, _bind, _uvicorn_server)
+from .llm.guards import (HTTPLimits, BadRequest, ClientGone, Admission, ConnectionGuard,
+                                error_body, json_bytes, read_json, judge_chat_size, unless_disconnected, check_exposure,
+                                is_loopback, add_http_flags, http_limits_from_args, flag_message)
+from .llm.loading import load_llm
+from .llm.server import refusal, guarded_app, _bind, _close_within, _uvicorn_server
 from .methods import METHODS
 from .replay.controllers import CONTROLLERS, parse_controller
 from .replay.live_run import ControllerMethod
-from .run_folder import best_candidates, read_status
+from .run_folder import Run, best_candidates, load_run, read_status
 from .runs import RunOptions, layer_settings, parse_role_endpoints, start_run, record_server
-from .settings import setting, add_settings
+from .settings import setting, add_settings, resolve
 
 # %% auto #0
 __all__ = ['CONTROLLER_PREFIX', 'LISTED_CONTROLLERS', 'UNGRADED', 'SETTINGS_KEY', 'OPENAI_FIELDS', 'NOT_FROM_CLIENTS',
-           'IGNORED_FIELDS', 'STREAM_PIECE', 'gateway_methods', 'parse_model_name', 'listed_models', 'question_of',
-           'problem_index', 'problem_for', 'graded', 'request_settings', 'planned_new_tokens', 'GatewayRequest',
-           'run_name', 'GatewaySettings', 'Gateway', 'chat_completion', 'sse', 'sse_comment', 'answer_chunks',
-           'progress_line', 'failure', 'EventStream', 'create_gateway_app', 'GatewayThread', 'open_upstream',
-           'gateway_cli']
+           'IGNORED_FIELDS', 'GATEWAY_LIMITS', 'STREAM_PIECE', 'gateway_methods', 'parse_model_name', 'listed_models',
+           'question_of', 'problem_index', 'problem_for', 'graded', 'request_settings', 'planned_new_tokens',
+           'GatewayRequest', 'run_name', 'GatewaySettings', 'gateway_limits', 'Gateway', 'finished_run',
+           'chat_completion', 'sse', 'sse_comment', 'answer_chunks', 'progress_line', 'failure', 'EventStream',
+           'create_gateway_app', 'GatewayThread', 'open_upstream', 'gateway_cli']
 
 # %% ../nbs/27_gateway.ipynb #12e5fd43
 CONTROLLER_PREFIX = 'controller:'
@@ -172,9 +176,12 @@ def run_name(method: str, model: str, config, problem: Problem, upstream: dict) 
     return f"{slug}-{hashlib.sha256(key.encode('utf-8')).hexdigest()[:16]}"
 
 # %% ../nbs/27_gateway.ipynb #d214a4dc
+GATEWAY_LIMITS = HTTPLimits(max_queue=64)
+"The gateway's HTTP limits where no flag says otherwise: `tmas serve`'s, with a shorter queue (a request is a whole run)."
+
 @dataclass
 class GatewaySettings:
-    "What `tmas gateway` serves and how: the upstream model, the preset, the run folders and the server's limits."
+    "What `tmas gateway` serves and how: the upstream model, the preset, the run folders and the runs at once (the HTTP limits are `HTTPLimits`)."
     upstream: str = setting('default', "an OpenAI-compatible server's URL (http://HOST:PORT/v1), or a model run in this process: "
                                        "'default', 'smollm2' or a model folder")
     upstream_model: str | None = setting(None, "the model's name on --upstream (default: the one it serves)")
@@ -186,29 +193,28 @@ class GatewaySettings:
                                           "gets its id and reference answer")
     host: str = setting('127.0.0.1', "address to listen on (beyond loopback only with --api-key or --allow-unauthenticated)")
     port: int = setting(8100, "port to listen on")
-    api_key: str | None = setting(None, 'require "Authorization: Bearer KEY" on /v1 routes (default: $TMAS_API_KEY; none: no check)')
+    api_key: str | None = setting(None, 'require "Authorization: Bearer KEY" on every route but /health (default: $TMAS_API_KEY; '
+                                        'none: no check)')
     allow_unauthenticated: bool = setting(False, "allow a --host beyond loopback without an API key")
     concurrency: int = setting(8, "requests run at the same time (each is one problem's run); more wait in the queue")
-    max_queue: int = setting(64, "requests running or waiting at once; one more is answered 503 with Retry-After")
     max_total_tokens: int | None = setting(None, "refuse (400) a request whose plan may generate more new tokens than this")
-    max_body_mb: float = setting(4.0, "refuse (413) request bodies larger than this")
-    shutdown_timeout: float = setting(10.0, "seconds requests in flight get to finish on SIGTERM or Ctrl-C before they are "
-                                            "cancelled (their run folders stay resumable)")
     threads: int | None = setting(None, "CPU threads of a model run in this process (default: every core)")
     log_level: str = setting('warning', "uvicorn log level")
 
     def __post_init__(self):
-        for f in ('concurrency', 'max_queue', 'port'):
+        for f in ('concurrency', 'port'):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if f == 'port' else 1):
                 raise ValueError(f"--{f.replace('_', '-')} must be an integer >= {0 if f == 'port' else 1}, got {v!r}")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise ValueError(f"--max-total-tokens must be >= 1, got {self.max_total_tokens!r}")
 
-    def limits(self) -> ServerLimits:
-        "The `ServerLimits` of `tmas serve` that the gateway shares: body size, queue and shutdown timeout."
-        return ServerLimits(max_body_bytes=max(1, int(self.max_body_mb * 2**20)), max_queue=self.max_queue,
-                            shutdown_timeout_s=self.shutdown_timeout)
+# %% ../nbs/27_gateway.ipynb #5c1e0a11
+def gateway_limits(args=None, **given) -> HTTPLimits:
+    "The gateway's `HTTPLimits`: `GATEWAY_LIMITS`, then the HTTP flags in `args` (argparse), then `given`; a bad value is a `ValueError` naming its flag."
+    flags = http_limits_from_args(args) if args is not None else {}
+    try: return HTTPLimits(**{**asdict(GATEWAY_LIMITS), **flags, **given})
+    except ValueError as e: raise ValueError(flag_message(e)) from None
 
 # %% ../nbs/27_gateway.ipynb #d72643ae
 class Gateway:
@@ -220,7 +226,7 @@ class Gateway:
         self.preset, self.role_endpoints, self.benchmark = preset, dict(role_endpoints or {}), benchmark
         self.known, self.concurrency, self.max_total_tokens = problem_index(benchmark), concurrency, max_total_tokens
         self.out.mkdir(parents=True, exist_ok=True)
-        self._slots, self._folders = None, weakref.WeakValueDictionary()   # run slots; one asyncio.Lock per busy run folder
+        self._folders = weakref.WeakValueDictionary()     # one asyncio.Lock per busy run folder
         self.counts = dict(requests=0, refused=0, completed=0, cancelled=0, failed=0, running=0)
 
 # %% ../nbs/27_gateway.ipynb #63115953
@@ -247,24 +253,31 @@ def plan(self:Gateway, body) -> GatewayRequest:
     return GatewayRequest(body['model'].strip(), method, config, record, problem, name, tokens, budget, bool(body.get('stream')),
                           bool(isinstance(opts, dict) and opts.get('include_usage')), left_out, ignored)
 
+# %% ../nbs/27_gateway.ipynb #7a41d2e9
+def finished_run(run_dir: Path) -> Run | None:
+    "The run in `run_dir` as it is, when it has finished and no process is writing it; else None."
+    if not (run_dir / 'config.json').exists() or not read_status(run_dir).get('complete'): return None
+    run = load_run(run_dir)
+    return run if run.complete else None
+
 # %% ../nbs/27_gateway.ipynb #ec188a1c
 @patch
-async def run(self:Gateway, req: GatewayRequest):
-    "Run (or resume, or read back) `req`'s run folder; one request at a time per folder, at most `concurrency` at once."
-    if self._slots is None: self._slots = asyncio.Semaphore(self.concurrency)
+async def run(self:Gateway, req: GatewayRequest) -> tuple[Run, bool]:
+    "(the run of `req`'s folder, whether it ran now): run or resumed, or read back when it had finished; one request at a time per folder."
     lock = self._folders.get(req.name)
     if lock is None: lock = self._folders[req.name] = asyncio.Lock()
     record = {**req.record, 'gateway': {'model': req.model, 'planned_new_tokens': req.planned_tokens}}
     opts = RunOptions(benchmark=self.benchmark if graded(req.problem) else 'gateway', preset=self.preset, concurrency=1,
                       progress=False, record=record, progress_every=3600.0)
-    async with lock, self._slots:
+    async with lock:
+        done = await asyncio.to_thread(finished_run, self.out / req.name)
+        if done is not None: return done, False
         self.counts['running'] += 1
-        try:
+        try:   # start_run notes the upstream's answers (record_server) in config.json
             run = await start_run(req.method, [req.problem], req.config, self.out / req.name, model=self.model, backend=self.backend,
                                   llm=self.llm, base_url=self.base_url, options=opts)
         finally: self.counts['running'] -= 1
-        record_server(run.run_dir, self.llm)
-    return run
+    return run, True
 
 # %% ../nbs/27_gateway.ipynb #d7bad933
 def _usage(run) -> dict:
@@ -273,8 +286,8 @@ def _usage(run) -> dict:
     return {'prompt_tokens': p, 'completion_tokens': c, 'total_tokens': p + c}
 
 @patch
-def answer(self:Gateway, req: GatewayRequest, run, wall_s: float) -> tuple[str, str, dict]:
-    "(content, finish reason, the `tmas` extension object) of a finished run: the best candidate of its last iteration."
+def answer(self:Gateway, req: GatewayRequest, run, wall_s: float, ran: bool = True) -> tuple[str, str, dict]:
+    "(content, finish reason, the `tmas` extension object) of a finished run (`ran`: now, else read back): the best candidate of its last iteration."
     rec = run.records
     last = rec[rec.iteration == rec.iteration.max()] if len(rec) else rec
     best = best_candidates(last)
@@ -285,7 +298,7 @@ def answer(self:Gateway, req: GatewayRequest, run, wall_s: float) -> tuple[str, 
         row = rec[rec.iteration == 0].iloc[0]
     content = '' if row is None or row.solution is None else str(row.solution)
     finish = 'length' if row is not None and row.finish_reason == 'length' else 'stop'
-    cache = run.status.get('last_invocation_cache', {})
+    cache = run.status.get('last_invocation_cache', {}) if ran else {}    # read back: no sample was asked for
     ext = {'run': req.name, 'run_dir': str(run.run_dir), 'method': req.method, 'problem_id': req.problem.id,
            'answer': answer, 'graded': graded(req.problem), 'correct': correct,
            'iterations': int(rec.iteration.nunique()) if len(rec) else 0, 'candidates': int(len(last)),
@@ -293,7 +306,7 @@ def answer(self:Gateway, req: GatewayRequest, run, wall_s: float) -> tuple[str, 
                                   'calls': int(d.get('calls', 0))} for r, d in sorted(run.usage.get('by_role', {}).items())},
            'wall_s': round(wall_s, 3), 'run_wall_s': round(float(run.status.get('wall_s', 0.0)), 3),
            'upstream_samples': int(cache.get('misses', 0)), 'cached_samples': int(cache.get('hits', 0)),
-           'planned_new_tokens': req.planned_tokens, 'settings': json_ready(req.config.to_dict())}
+           'read_back': not ran, 'planned_new_tokens': req.planned_tokens, 'settings': json_ready(req.config.to_dict())}
     if req.left_out: ext['left_out'] = req.left_out
     if req.ignored: ext['ignored'] = req.ignored
     return content, finish, ext
@@ -357,32 +370,32 @@ def failure(e: BaseException) -> BadRequest:
 async def respond(self:Gateway, req: GatewayRequest) -> dict:
     "Run `req` and return its chat-completions body (a `BadRequest` carries the HTTP error of a failed run)."
     t0 = time.perf_counter()
-    try: run = await self.run(req)
+    try: run, ran = await self.run(req)
     except asyncio.CancelledError: self.counts['cancelled'] += 1; raise
     except Exception as e: self.counts['failed'] += 1; raise failure(e) from e
     self.counts['completed'] += 1
-    content, finish, ext = self.answer(req, run, time.perf_counter() - t0)
+    content, finish, ext = self.answer(req, run, time.perf_counter() - t0, ran)
     return {'content': content, 'finish': finish, 'ext': ext, 'usage': _usage(run)}
 
 # %% ../nbs/27_gateway.ipynb #3bcbb554
-class EventStream(StarletteResponse):
+class EventStream(Response):
     "A response streaming a request's progress and then its answer as server-sent events; when the client leaves, the run is cancelled."
-    def __init__(self, gateway: Gateway, req: GatewayRequest, done=None, every_s: float = 1.0):
-        self.background, self.gateway, self.req, self.done, self.every_s = None, gateway, req, done, every_s
+    def __init__(self, run_dir: Path, req: GatewayRequest, work, done=None, every_s: float = 1.0):
+        self.background, self.run_dir, self.req, self.work, self.done, self.every_s = None, Path(run_dir), req, work, done, every_s
 
     async def _events(self, send):
-        g, req, t0 = self.gateway, self.req, time.perf_counter()
-        work = asyncio.ensure_future(g.respond(req))
+        req, t0 = self.req, time.perf_counter()
+        work = asyncio.ensure_future(self.work())
         try:
             while not work.done():
                 await asyncio.wait({work}, timeout=self.every_s)
                 if not work.done():
-                    line = await asyncio.to_thread(progress_line, g.out / req.name, time.perf_counter() - t0)
+                    line = await asyncio.to_thread(progress_line, self.run_dir, time.perf_counter() - t0)
                     await send({'type': 'http.response.body', 'body': sse_comment(line), 'more_body': True})
             try:
                 r = work.result()
                 events = answer_chunks(req, r['content'], r['finish'], r['ext'], r['usage'])
-            except BadRequest as e: events = [sse(_error_body(str(e), e.status, e.param)), sse('[DONE]')]
+            except BadRequest as e: events = [sse(error_body(str(e), e.status, e.param)), sse('[DONE]')]
             for ev in events: await send({'type': 'http.response.body', 'body': ev, 'more_body': True})
             await send({'type': 'http.response.body', 'body': b'', 'more_body': False})
         finally:
@@ -405,52 +418,58 @@ class EventStream(StarletteResponse):
         if tasks[0].done() and not tasks[0].cancelled() and tasks[0].exception() is not None: raise tasks[0].exception()
 
 # %% ../nbs/27_gateway.ipynb #52bdfb20
-def create_gateway_app(gateway: Gateway, limits: ServerLimits | None = None, api_key: str | None = None, loopback_only: bool = False):
-    "A FastAPI application serving `gateway` at `/v1/chat/completions`, `/v1/models` and `/health`, hardened as `tmas serve`."
-    from fastapi import FastAPI, Request as HTTPRequest
-    from fastapi.responses import JSONResponse, Response
-    limits = limits or ServerLimits()
-    app = FastAPI(title='tmas_nb gateway', version='1')
-    if loopback_only: app.add_middleware(LoopbackHostsOnly)
-    if api_key: app.add_middleware(KeyRequired, api_key=api_key)   # outermost, as in `tmas serve`
+def _chat_route(app):
+    "The chat route of `app`: the body judged (size, depth, messages) and resolved before a place in the queue, the run in its turn, cancelled when its client leaves."
     s = app.state
-    s.gateway, s.limits, s.admission = gateway, limits, Admission(limits.max_queue)
-    s.guard = ConnectionGuard(limits)   # the connection limits `tmas serve` has (its http server reads them)
+    g, limits = s.gateway, s.limits
+    async def chat(request):
+        g.counts['requests'] += 1
+        try:
+            body = await read_json(request, limits.max_body_bytes, limits.max_json_depth, limits.max_messages)
+            if isinstance(body, dict): judge_chat_size(body.get('messages'), limits)
+            req = await asyncio.to_thread(g.plan, body)
+            s.admission.reserve()
+        except BadRequest as e: g.counts['refused'] += 1; return refusal(e)
+        except ClientGone: return Response(status_code=499)
+        work = lambda: s.admission.run(1, lambda: g.respond(req))
+        if req.stream: return EventStream(g.out / req.name, req, work, done=s.admission.release)
+        try:
+            r = await unless_disconnected(request.receive, work())
+            answer = chat_completion(req, r['content'], r['finish'], r['ext'], r['usage'])
+            return Response(json_bytes(answer), media_type='application/json', headers={'x-tmas-run': req.name})
+        except BadRequest as e: return refusal(e)
+        except ClientGone: return Response(status_code=499)
+        finally: s.admission.release()
+    chat.__annotations__['request'] = HTTPRequest   # a real class, not the postponed string, for FastAPI
+    return chat
+
+# %% ../nbs/27_gateway.ipynb #5f2b7c3d
+def create_gateway_app(gateway: Gateway, limits: HTTPLimits | None = None, api_key: str | None = None, loopback_only: bool = False):
+    "A FastAPI application serving `gateway` at `/v1/chat/completions`, `/v1/models` and `/health`, behind `tmas serve`'s guards."
+    limits = limits or GATEWAY_LIMITS
+    app = guarded_app('tmas_nb gateway', api_key, loopback_only)
+    s = app.state
+    s.gateway, s.limits, s.guard = gateway, limits, ConnectionGuard(limits)
+    s.admission = Admission(limits.max_queue, gate=gateway.concurrency)   # a run is one place; `concurrency` of them at once
     created = int(time.time())
 
     @app.get('/health')
     async def health():
         return {'status': 'ok', 'upstream': gateway.model, 'backend': gateway.backend, 'out': str(gateway.out), **gateway.counts,
-                'admitted': s.admission.admitted}
+                'admitted': s.admission.admitted, 'waiting': len(s.admission.waiting), 'connections': s.guard.stats()}
 
     @app.get('/v1/models')
     async def models():
         return {'object': 'list', 'data': [{'id': m, 'object': 'model', 'created': created, 'owned_by': 'tmas_nb'} for m in listed_models()]}
 
-    async def chat(request: HTTPRequest):
-        gateway.counts['requests'] += 1
-        try:
-            body = await read_json(request, limits.max_body_bytes)
-            req = await asyncio.to_thread(gateway.plan, body)
-            s.admission.reserve()
-        except BadRequest as e: gateway.counts['refused'] += 1; return _refusal(e)
-        if req.stream: return EventStream(gateway, req, done=s.admission.release)
-        try:
-            r = await unless_disconnected(request.receive, gateway.respond(req))
-            return JSONResponse(chat_completion(req, r['content'], r['finish'], r['ext'], r['usage']), headers={'x-tmas-run': req.name})
-        except BadRequest as e: return _refusal(e)
-        except ClientGone: return Response(status_code=499)
-        finally: s.admission.release()
-    chat.__annotations__['request'] = HTTPRequest   # a real class, not the postponed string, for FastAPI
-    app.post('/v1/chat/completions')(chat)
+    app.post('/v1/chat/completions')(_chat_route(app))
     return app
 
 # %% ../nbs/27_gateway.ipynb #399e9055
 class GatewayThread:
     "Serve a `Gateway` from a background thread (notebooks, tests); a context manager."
-    def __init__(self, gateway: Gateway, host: str = '127.0.0.1', port: int = 0, limits: ServerLimits | None = None,
+    def __init__(self, gateway: Gateway, host: str = '127.0.0.1', port: int = 0, limits: HTTPLimits | None = None,
                  api_key: str | None = None, log_level: str = 'warning'):
-        import threading
         self.sock = _bind(host, port)
         self.host, self.port = host, self.sock.getsockname()[1]
         self.app = create_gateway_app(gateway, limits, api_key, loopback_only=is_loopback(host) and not api_key)
@@ -466,6 +485,7 @@ class GatewayThread:
     def base_url(self) -> str: return f'http://{self.host}:{self.port}/v1'
 
     def stop(self):
+        "Stop serving (requests in flight get the shutdown timeout, then a 503) and wait for the thread."
         self.server.should_exit = True
         self.thread.join(timeout=self.app.state.limits.shutdown_timeout_s + 10)
         self.sock.close()
@@ -476,7 +496,6 @@ class GatewayThread:
 # %% ../nbs/27_gateway.ipynb #bf3dc4fa
 def open_upstream(s: GatewaySettings) -> tuple[LLM, str, str, str | None]:
     "(model, its name in run folders, backend, base URL) of `--upstream`: a server's URL, or a model loaded in this process."
-    from tmas_nb.llm.loading import load_llm
     if s.upstream.startswith(('http://', 'https://')):
         llm = load_llm(s.upstream_model, 'openai', base_url=s.upstream, api_key=s.upstream_api_key, max_concurrency=64)
         return llm, llm.model_id, 'openai', llm.base_url
@@ -485,14 +504,11 @@ def open_upstream(s: GatewaySettings) -> tuple[LLM, str, str, str | None]:
 
 # %% ../nbs/27_gateway.ipynb #1620efef
 def _gateway_command(args) -> int:
-    from tmas_nb.settings import resolve
-    from tmas_nb.llm.server import _close_within
     os.environ.setdefault('HF_HUB_OFFLINE', '1')
-    s = resolve(GatewaySettings, args=args)
+    s, limits = resolve(GatewaySettings, args=args), gateway_limits(args)
     api_key = s.api_key or os.environ.get('TMAS_API_KEY') or None
     check_exposure(s.host, api_key, s.allow_unauthenticated)
     endpoints = parse_role_endpoints(args.role_endpoint or [], '--role-endpoint')
-    limits = s.limits()
     sock = _bind(s.host, s.port)
     try:
         llm, model, backend, base_url = open_upstream(s)
@@ -510,6 +526,7 @@ def _gateway_command(args) -> int:
 def gateway_cli(p) -> None:
     "The flags of `tmas gateway`."
     add_settings(p, GatewaySettings)
+    add_http_flags(p, GATEWAY_LIMITS)
     p.add_argument('--role-endpoint', dest='role_endpoint', action='append', default=None, metavar='ROLE=URL[,MODEL]',
                    help="one agent role's own OpenAI-compatible server and model (repeatable, as in tmas run)")
     p.set_defaults(func=_gateway_command)

@@ -150,7 +150,7 @@ def hard_subset_cli(p) -> None:
     p.add_argument('--max-new-tokens', dest='max_new_tokens', type=int, default=None,
                    help="tokens per sample (default: the model's full budget, TMAS's 128K capped to its context)")
     p.add_argument('--allow-cut', dest='allow_cut', action='store_true',
-                   help=f'write the subset even when more than {CUT_LIMIT:.0%} of the samples were cut by the token limit (the file records it)')
+                   help=f'write the subset even when more than {CUT_LIMIT * 100:.0f}%% of the samples were cut by the token limit (the file records it)')
     p.add_argument('--judge', default=None, help="grade the samples with this LLM judge (a model name, a folder or an OpenAI-compatible URL) instead of the rules")
     p.add_argument('--limit', type=positive_int, default=None, help='only the first N problems (a quick check)')
     p.add_argument('--threads', type=int, default=None, help='torch CPU threads')

@@ -81,16 +81,20 @@ class ParquetRows:
             self._file.__exit__(type(e), e, e.__traceback__); raise
         return self._file.__exit__(kind, exc, tb)
 
+_VERSIONS: dict = {}
+
 def versions() -> dict:
-    "Versions of Python and the main libraries (read from package metadata, without importing them)."
-    out = {'python': platform.python_version()}
-    for pkg in ('torch', 'transformers', 'tmas_nb'):
-        try: out[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            out[pkg] = None
-    if out['tmas_nb'] is None:
-        out['tmas_nb'] = getattr(tmas_nb, '__version__', None)
-    return out
+    "Versions of Python and the main libraries (read from package metadata once per process, without importing them)."
+    if not _VERSIONS:        # a metadata read scans the installed packages: milliseconds each, and a server writes many run folders
+        out = {'python': platform.python_version()}
+        for pkg in ('torch', 'transformers', 'tmas_nb'):
+            try: out[pkg] = metadata.version(pkg)
+            except metadata.PackageNotFoundError:
+                out[pkg] = None
+        if out['tmas_nb'] is None:
+            out['tmas_nb'] = getattr(tmas_nb, '__version__', None)
+        _VERSIONS.update(out)
+    return dict(_VERSIONS)
 
 # %% ../nbs/24a_run_folder.ipynb #1d554bb8
 CALL_COLUMNS: dict[str, str] = {

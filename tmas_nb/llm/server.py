@@ -22,8 +22,8 @@ from ..settings import deprecated_alias
 __all__ = ['MAX_STOPS', 'CHAT_FIELDS', 'COMPLETION_FIELDS', 'NOT_SERVED', 'REQUEST_BUDGET_S', 'longest_token_chars',
            'ServerLimits', 'check_fields', 'parse_chat_request', 'prompt_chars', 'chars_fit', 'choice_logprobs',
            'completion_response', 'raw_prompt', 'parse_completion_request', 'text_completion_response', 'prompt_fits',
-           'tokenize_body', 'detokenize_body', 'generate_isolated', 'refusal', 'create_app', 'serve', 'ServerThread',
-           'cpu_sizes', 'serve_cli']
+           'tokenize_body', 'detokenize_body', 'generate_isolated', 'refusal', 'guarded_app', 'create_app', 'serve',
+           'ServerThread', 'cpu_sizes', 'serve_cli']
 
 # %% ../../nbs/15_llm_server.ipynb #23f034d2
 def longest_token_chars(tok) -> int | None:
@@ -426,16 +426,22 @@ def _endpoint(app, parse, respond):
     handle.__annotations__['request'] = HTTPRequest   # a real class, not the postponed string, for FastAPI
     return handle
 
+# %% ../../nbs/15_llm_server.ipynb #c1a7e0b2
+def guarded_app(title: str, api_key: str | None = None, loopback_only: bool = False):
+    "An empty FastAPI application behind the key (outermost: no route, the documentation included, does any work without it) and, on loopback, the host check."
+    from fastapi import FastAPI
+    app = FastAPI(title=title, version='1')
+    if loopback_only: app.add_middleware(LoopbackHostsOnly)
+    if api_key: app.add_middleware(KeyRequired, api_key=api_key)
+    return app
+
 # %% ../../nbs/15_llm_server.ipynb #a6be1470
 def create_app(llm: LLM, served_model_name: str | None = None, limits: ServerLimits | None = None,
                api_key: str | None = None, loopback_only: bool = False):
     "A FastAPI application serving `llm` at `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/v1/usage`, `/health` (and `/tokenize`, `/detokenize`)."
-    from fastapi import FastAPI
     name = served_model_name or llm.model_id
     limits = limits or ServerLimits.for_model(llm)
-    app = FastAPI(title='tmas_nb model server', version='1')
-    if loopback_only: app.add_middleware(LoopbackHostsOnly)
-    if api_key: app.add_middleware(KeyRequired, api_key=api_key)         # outermost: no work of any route without the key
+    app = guarded_app('tmas_nb model server', api_key, loopback_only)
     batch = getattr(llm, 'max_batch_size', None)       # two batches handed over: one decoding, one ready
     s = app.state
     s.llm, s.model_name, s.limits, s.tokenizer = llm, name, limits, getattr(llm, 'tokenizer', None)
