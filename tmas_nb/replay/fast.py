@@ -11,11 +11,14 @@ from .controllers import (ASC, CMC, ESC, ParallelProbe, SelfConsistency, beta_co
                                         cmc_schedule, check_fits_store, Controller)
 from .environment import ReplayEnv
 from .store import ReplayStore
-from .authors_api import N_CODE, F_CODE
+from .authors_api import N_CODE, F_CODE, C_CODE
+from .pipe import (OP_PROBE_NEW, OP_PROBE_MORE, OP_FINAL_NEW, OP_BRANCH, OP_ADVANCE,
+                                   OP_READ_WHOLE, OP_PROBE, OP_PRUNE, OP_ANSWER, OP_DIGEST, E_CEILING, E_RANGE, E_INDEX,
+                                   E_ILLEGAL, FL_FINISHED, FL_NEW)
 
 # %% auto #0
-__all__ = ['sc_kernel', 'asc_kernel', 'esc_kernel', 'pp_kernel', 'cmc_kernel', 'authors_log_kernel', 'has_fast', 'run_fast',
-           'check_against_reference']
+__all__ = ['sc_kernel', 'asc_kernel', 'esc_kernel', 'pp_kernel', 'cmc_kernel', 'authors_log_kernel', 'serve_kernel', 'has_fast',
+           'run_fast', 'check_against_reference']
 
 # %% ../../nbs/04_replay_fast.ipynb #d0113d05
 @njit(cache=True, nogil=True)
@@ -251,13 +254,15 @@ def cmc_kernel(n_init, max_branch, warm_up, patience, T_ema, alpha, conf_thresh,
 
 # %% ../../nbs/04_replay_fast.ipynb #8c7a4c0c
 @njit(cache=True, nogil=True)
-def authors_log_kernel(codes, order, probes, n_probes, finals, tokens, probe_freq, seen):
-    "(tokens charged, -1) by an authors'-API log on one question, revealed answer ids set in `seen`; (-1, j) if action j cannot replay."
+def authors_log_kernel(codes, order, probes, n_probes, finals, tokens, probe_freq, seen, max_branches):
+    "(tokens charged, -1) by an authors'-API log on one question, revealed ids set in `seen`; (-1, j) if action j cannot replay; (charged before, -2) at the ceiling."
     n = order.shape[0]; probed = np.zeros(n, np.int64); opened = 0; total = 0
     for j in range(codes.shape[0]):
         a = codes[j]
+        if a == C_CODE: return total, -2
         if a == F_CODE:
             if opened >= n: return -1, j
+            if max_branches >= 0 and opened >= max_branches: return total, -2
             b = order[opened]; opened += 1; total += tokens[b]; seen[finals[b]] = True
             continue
         if a == N_CODE:
@@ -267,6 +272,7 @@ def authors_log_kernel(codes, order, probes, n_probes, finals, tokens, probe_fre
             if a > opened: return -1, j
             i = a + n if a < 0 else a
             if i < 0 or i >= n: return -1, j
+        if max_branches >= 0 and i >= max_branches: return total, -2
         b = order[i]; k = probed[i]
         if k < n_probes[b]:
             probed[i] = k + 1; total += probe_freq; seen[probes[b, k]] = True
@@ -276,6 +282,96 @@ def authors_log_kernel(codes, order, probes, n_probes, finals, tokens, probe_fre
             seen[finals[b]] = True
     return total, -1
 
+# %% ../../nbs/04_replay_fast.ipynb #0f2ac8c3
+@njit(cache=True, nogil=True)
+def _start_episode(l, ls, lbr, lseen, plan, lane_off, orders, nbr):
+    "Load the branch order of lane l's current episode and clear its state."
+    row = lane_off[l] + ls[l, 0]; q = plan[row, 1]; nb = nbr[q]
+    for p in range(nb):
+        lbr[l, 0, p] = orders[plan[row, 0], q, p]; lbr[l, 1, p] = 0; lbr[l, 2, p] = -1; lbr[l, 3, p] = 0
+    for a in range(lseen.shape[1]): lseen[l, a] = -1
+    for k in range(1, 5): ls[l, k] = 0
+    ls[l, 5] = 1
+
+@njit(cache=True, nogil=True)
+def _read_at(l, p, q, lbr, probes, n_probes, finals, tokens, freq):
+    "Read the next interval of position p of lane l's episode: (answer id, cost, finished)."
+    b = lbr[l, 0, p]; k = lbr[l, 1, p]
+    if k < n_probes[q, b]:
+        lbr[l, 1, p] = k + 1
+        return probes[q, b, k], freq[q], 0
+    c = tokens[q, b] - freq[q] * k
+    return finals[q, b], (c if c > 0 else 0), 1
+
+# %% ../../nbs/04_replay_fast.ipynb #789d3a50
+@njit(cache=True, nogil=True)
+def serve_kernel(req, out, newq, kept, ls, lbr, lseen, plan, lane_off, orders, probes, n_probes, finals, tokens, freq, nbr,
+                 gold, ours, max_branches, res):
+    "Apply a batch of requests `req[n, 3]`: replies in `out`, (question, answer id) of each new answer in `newq`, kept actions in `kept`; (replies, new answers, kept actions, -1 or the bad request)."
+    nr = 0; nn = 0; nk = 0
+    L = ls.shape[0]
+    for i in range(req.shape[0]):
+        l = req[i, 0]; op = req[i, 1]; x = req[i, 2]
+        if l < 0 or l >= L: return nr, nn, nk, i
+        if op == OP_DIGEST: continue                      # read by the parent (it may follow the lane's last answer)
+        if lane_off[l] + ls[l, 0] >= lane_off[l + 1]: return nr, nn, nk, i
+        if ls[l, 5] == 0: _start_episode(l, ls, lbr, lseen, plan, lane_off, orders, nbr)
+        row = lane_off[l] + ls[l, 0]; q = plan[row, 1]; nb = nbr[q]
+        if op == OP_ANSWER:
+            r = plan[row, 3]
+            if r >= 0:
+                rev = x >= 0 and lseen[l, x] >= 0
+                over = ls[l, 2] != 0
+                res[r, 0] = 1; res[r, 1] = 1 if (rev and x == gold[q] and not over) else 0; res[r, 2] = ls[l, 4]
+                res[r, 3] = (1 if over else 0) | (2 if (x >= -1 and not rev) else 0) | (ls[l, 2] << 4)
+            ls[l, 0] += 1; ls[l, 5] = 0
+            continue
+        if op == OP_PROBE or op == OP_PRUNE:             # ours: told, never waited for
+            if not ours: return nr, nn, nk, i
+            if ls[l, 2] == 0 and 0 <= x < ls[l, 1] and lbr[l, 3, x] == 0:
+                if op == OP_PRUNE: lbr[l, 3, x] = 1
+                if plan[row, 2] & 2:
+                    kept[nk, 0] = row; kept[nk, 1] = 4 * x + (1 if op == OP_PROBE else 2); nk += 1
+            continue
+        if ours != (op == OP_BRANCH or op == OP_ADVANCE or op == OP_READ_WHOLE): return nr, nn, nk, i
+        if not (op == OP_PROBE_NEW or op == OP_PROBE_MORE or op == OP_FINAL_NEW or op == OP_BRANCH or op == OP_ADVANCE
+                or op == OP_READ_WHOLE): return nr, nn, nk, i
+        st = 0; idx = 0; fin = 0; c = 0; a = -1; p = -1; code = 0
+        opened = ls[l, 1]
+        if op == OP_PROBE_NEW or op == OP_BRANCH or op == OP_READ_WHOLE or op == OP_FINAL_NEW:
+            p = opened
+            if p >= nb: st = E_ILLEGAL if ours else (E_INDEX if op == OP_FINAL_NEW else E_RANGE)
+        elif op == OP_PROBE_MORE:
+            if x > opened: st = E_RANGE
+            else:
+                p = x + nb if x < 0 else x
+                if p < 0 or p >= nb: st = E_INDEX
+        else:                                            # CONTINUE(x)
+            p = x
+            if x < 0 or x >= opened or lbr[l, 3, x] != 0 or lbr[l, 1, x] > n_probes[q, lbr[l, 0, x]]: st = E_ILLEGAL
+        if st == 0 and (ls[l, 2] != 0 or (max_branches >= 0 and p >= max_branches)):
+            st = E_CEILING
+            if ls[l, 2] == 0: ls[l, 2] = op
+        if st == 0:
+            if op == OP_FINAL_NEW or op == OP_READ_WHOLE:
+                b = lbr[l, 0, p]; a = finals[q, b]; c = tokens[q, b]; fin = 1
+                if op == OP_READ_WHOLE: lbr[l, 1, p] = n_probes[q, b] + 1
+            else:
+                a, c, fin = _read_at(l, p, q, lbr, probes, n_probes, finals, tokens, freq)
+            lbr[l, 2, p] = a
+            if op == OP_PROBE_NEW or op == OP_BRANCH or op == OP_READ_WHOLE or op == OP_FINAL_NEW: ls[l, 1] = opened + 1
+            ls[l, 4] += c
+            li = lseen[l, a]
+            if li < 0:
+                li = ls[l, 3]; lseen[l, a] = li; ls[l, 3] += 1
+                newq[nn, 0] = q; newq[nn, 1] = a; nn += 1; fin |= FL_NEW
+            st = li
+            idx = lbr[l, 1, p] if op == OP_READ_WHOLE else (x if op == OP_PROBE_MORE else p)
+            code = (N_CODE if op == OP_PROBE_NEW else F_CODE if op == OP_FINAL_NEW else x if op == OP_PROBE_MORE
+                    else -1 if op == OP_BRANCH else -2 if op == OP_READ_WHOLE else 4 * x)
+            if plan[row, 2] & 2: kept[nk, 0] = row; kept[nk, 1] = code; nk += 1
+        out[nr, 0] = st; out[nr, 1] = idx; out[nr, 2] = fin; out[nr, 3] = c; nr += 1
+    return nr, nn, nk, -1
 
 # %% ../../nbs/04_replay_fast.ipynb #20df4b2c
 def _arrays(store: ReplayStore):
