@@ -13,7 +13,7 @@ from .environment import ReplayEnv
 from .store import ReplayStore
 from .authors_api import N_CODE, F_CODE, C_CODE
 from .pipe import (OP_PROBE_NEW, OP_PROBE_MORE, OP_FINAL_NEW, OP_BRANCH, OP_ADVANCE,
-                                   OP_READ_WHOLE, OP_PROBE, OP_PRUNE, OP_ANSWER, OP_DIGEST, E_CEILING, E_RANGE, E_INDEX,
+                                   OP_READ_WHOLE, OP_PROBE, OP_PRUNE, OP_ANSWERED, OP_DIGESTED, E_CEILING, E_RANGE, E_INDEX,
                                    E_ILLEGAL, FL_FINISHED, FL_NEW)
 
 # %% auto #0
@@ -303,7 +303,7 @@ def _read_at(l, p, q, lbr, probes, n_probes, finals, tokens, freq):
     c = tokens[q, b] - freq[q] * k
     return finals[q, b], (c if c > 0 else 0), 1
 
-# %% ../../nbs/04_replay_fast.ipynb #789d3a50
+# %% ../../nbs/04_replay_fast.ipynb #65b874c5
 @njit(cache=True, nogil=True)
 def serve_kernel(req, out, newq, kept, ls, lbr, lseen, plan, lane_off, orders, probes, n_probes, finals, tokens, freq, nbr,
                  gold, ours, max_branches, res):
@@ -313,11 +313,11 @@ def serve_kernel(req, out, newq, kept, ls, lbr, lseen, plan, lane_off, orders, p
     for i in range(req.shape[0]):
         l = req[i, 0]; op = req[i, 1]; x = req[i, 2]
         if l < 0 or l >= L: return nr, nn, nk, i
-        if op == OP_DIGEST: continue                      # read by the parent (it may follow the lane's last answer)
+        if op == OP_DIGESTED: continue                    # read by the parent (it may follow the lane's last answer)
         if lane_off[l] + ls[l, 0] >= lane_off[l + 1]: return nr, nn, nk, i
         if ls[l, 5] == 0: _start_episode(l, ls, lbr, lseen, plan, lane_off, orders, nbr)
         row = lane_off[l] + ls[l, 0]; q = plan[row, 1]; nb = nbr[q]
-        if op == OP_ANSWER:
+        if op == OP_ANSWERED:                             # an answer the parent read and resolved to a store id (or -1, -3)
             r = plan[row, 3]
             if r >= 0:
                 rev = x >= 0 and lseen[l, x] >= 0

@@ -12,9 +12,9 @@ import tmas_nb
 # %% auto #0
 __all__ = ['K_READY', 'K_FATAL', 'K_BATCH', 'K_DONE', 'K_ERROR', 'K_START', 'K_SEED', 'K_END', 'K_DIGEST', 'K_JOB', 'K_TASK',
            'K_REPLY', 'K_QUIT', 'OP_PROBE_NEW', 'OP_PROBE_MORE', 'OP_FINAL_NEW', 'OP_BRANCH', 'OP_ADVANCE',
-           'OP_READ_WHOLE', 'OP_PROBE', 'OP_PRUNE', 'OP_ANSWER', 'OP_DIGEST', 'E_CEILING', 'E_RANGE', 'E_INDEX',
-           'E_ILLEGAL', 'FL_FINISHED', 'FL_NEW', 'ProtocolError', 'PipeTimeout', 'PipeClosed', 'frame', 'ChildPipe',
-           'FrameReader', 'FrameWriter']
+           'OP_READ_WHOLE', 'OP_PROBE', 'OP_PRUNE', 'OP_ANSWER', 'OP_DIGEST', 'OP_ANSWERED', 'OP_DIGESTED', 'E_CEILING',
+           'E_RANGE', 'E_INDEX', 'E_ILLEGAL', 'FL_FINISHED', 'FL_NEW', 'ProtocolError', 'PipeTimeout', 'PipeClosed',
+           'frame', 'ChildPipe', 'FrameReader', 'FrameWriter']
 
 # %% ../../nbs/07a_replay_pipe.ipynb #07baa0f4
 class ProtocolError(Exception):
@@ -32,12 +32,13 @@ def frame(kind: int, payload: bytes = b'') -> bytes:
     "One frame: the payload's length (4 bytes), its kind (1 byte), the payload."
     return _HEAD.pack(len(payload), kind) + payload
 
-# %% ../../nbs/07a_replay_pipe.ipynb #4eb857f2
+# %% ../../nbs/07a_replay_pipe.ipynb #5d41222a
 K_READY, K_FATAL, K_BATCH, K_DONE, K_ERROR, K_START, K_SEED, K_END, K_DIGEST = range(1, 10)     # child -> parent
 K_JOB, K_TASK, K_REPLY, K_QUIT = range(20, 24)                                                 # parent -> child
 OP_PROBE_NEW, OP_PROBE_MORE, OP_FINAL_NEW = 1, 2, 3          # the authors' API: probe_new, probe_more(i), get_new_branch_final_answer
 OP_BRANCH, OP_ADVANCE, OP_READ_WHOLE, OP_PROBE, OP_PRUNE = 4, 5, 6, 7, 8     # ours: BRANCH, CONTINUE(i), READ_WHOLE, PROBE(i), PRUNE(i)
 OP_ANSWER, OP_DIGEST = 9, 10                                  # an episode's answer; a state digest (argument: bytes of text that follow)
+OP_ANSWERED, OP_DIGESTED = 11, 12                             # the parent's own marks on a note it has read (a child cannot send them)
 E_CEILING, E_RANGE, E_INDEX, E_ILLEGAL = -2, -3, -4, -5       # refusals: past max_branches, ValueError, IndexError, IllegalAction
 FL_FINISHED, FL_NEW = 1, 2                                    # reply flags: the branch is finished; the answer is new to this episode
 
@@ -61,7 +62,7 @@ class ChildPipe:
         payload = bytes(self.buf[5:5 + n]); del self.buf[:5 + n]
         return kind, payload
 
-# %% ../../nbs/07a_replay_pipe.ipynb #34a6aeac
+# %% ../../nbs/07a_replay_pipe.ipynb #229d2236
 class FrameReader:
     "The parent's end of a child's output: whole frames of at most `cap` bytes, each read before a deadline."
     def __init__(self, fd: int, cap: int):
@@ -79,11 +80,10 @@ class FrameReader:
                     payload = bytes(self.buf[5:5 + n]); del self.buf[:5 + n]
                     return kind, payload
             wait = deadline - time.monotonic()
-            if wait <= 0 or not self.poll.poll(max(1, int(wait * 1000) + 1)):
-                if time.monotonic() >= deadline: raise PipeTimeout()
-                continue
-            try: chunk = os.read(self.fd, 1 << 16)
-            except BlockingIOError: continue
+            if wait <= 0: raise PipeTimeout()
+            try: chunk = os.read(self.fd, 1 << 16)           # most often the frame is there: no poll first
+            except BlockingIOError:
+                self.poll.poll(max(1, int(wait * 1000) + 1)); continue
             if not chunk: raise PipeClosed("the child closed its output")
             self.buf += chunk
 

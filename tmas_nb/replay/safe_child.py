@@ -21,8 +21,9 @@ __all__ = ['SafeQuestion', 'probe_new', 'probe_more', 'get_new_branch_final_answ
            'get_seq_and_total_tokens', 'SafeEnv', 'branch_id', 'read_whole_id', 'advance_id', 'probe', 'prune',
            'run_task', 'safe_child_main']
 
-# %% ../../nbs/07c_replay_safe_child.ipynb #c51f408d
-_BH = struct.Struct('<II')          # a batch or reply header: number of requests (replies), bytes of text after the arrays
+# %% ../../nbs/07c_replay_safe_child.ipynb #d8dcca49
+_BH = struct.Struct('<II')          # a reply header: replies, answers new to their episodes
+_BQ = struct.Struct('<III')         # a batch header: requests, notes among them (their indices follow the requests), bytes of text
 
 class _Lane:
     "One lane: its number and its greenlet."
@@ -33,7 +34,7 @@ class _Hub:
     "The child's loop over the lanes of a task: their requests go to the parent together, the replies come back together."
     def __init__(self, pipe: ChildPipe):
         self.pipe, self.main = pipe, greenlet.getcurrent()
-        self.req, self.strs, self.waiting, self.graveyard = [], [], [], []
+        self.req, self.notes, self.strs, self.waiting, self.graveyard, self.kept = [], [], [], [], [], {}
 
     def call(self, lane: _Lane, op: int, arg: int = 0):
         "Ask the parent and wait: (status, index, finished, cost, new answer text or None)."
@@ -43,6 +44,7 @@ class _Hub:
 
     def note(self, lane_id: int, op: int, arg: int = 0, text: bytes | None = None) -> None:
         "Tell the parent without waiting; `text` (e.g. an answer) travels after the arrays."
+        self.notes.append(len(self.req) // 3)
         self.req += (lane_id, op, arg)
         if text is not None: self.strs.append(text)
 
@@ -55,17 +57,17 @@ def _texts(buf: bytes, off: int, n: int) -> list:
         out.append(buf[off:off + k].decode('utf-8', 'surrogatepass')); off += k
     return out
 
-# %% ../../nbs/07c_replay_safe_child.ipynb #38a521be
+# %% ../../nbs/07c_replay_safe_child.ipynb #f5b2f11d
 def _round(self: _Hub) -> None:
     "Send the queued requests in one frame, read the replies, resume each waiting lane with its reply."
     req, text = array('i', self.req), b''.join(self.strs)
-    self.pipe.send(K_BATCH, _BH.pack(len(self.req) // 3, len(text)) + req.tobytes() + text)
+    self.pipe.send(K_BATCH, _BQ.pack(len(self.req) // 3, len(self.notes), len(text)) + req.tobytes() + array('i', self.notes).tobytes() + text)
     kind, p = self.pipe.recv()
     if kind != K_REPLY: raise SystemExit(0)            # the parent ends the task (or the child)
     n, n_new = _BH.unpack_from(p)
     vals = memoryview(p)[8:8 + 32 * n].cast('q').tolist()
     new = _texts(p, 8 + 32 * n, n_new)
-    waiting, self.waiting, self.req, self.strs = self.waiting, [], [], []
+    waiting, self.waiting, self.req, self.notes, self.strs = self.waiting, [], [], [], []
     j = 0
     for k, g in enumerate(waiting):
         st, idx, fl, c = vals[4 * k:4 * k + 4]
@@ -234,15 +236,20 @@ def _failure(e: BaseException, fname: str, lane: int, k: int, phase: str) -> _La
     return _LaneFailed(dict(lane=lane, k=k, phase=phase, type=type(e).__name__, where=_where(e, fname), msg=msg,
                             memory=isinstance(e, MemoryError)))
 
-# %% ../../nbs/07c_replay_safe_child.ipynb #f55f280c
+# %% ../../nbs/07c_replay_safe_child.ipynb #9e7255e1
 def _run_lane(hub: _Hub, lane: _Lane, episodes: list, job: dict, task: dict, shared_ns: dict | None):
-    "The greenlet of one lane: load (or share) the file, build the instance, solve each episode, note its answer."
-    fname, cname, api, cfg, mb = job['filename'], job['class_name'], job['api'], task['config'], task['max_branches']
-    k = -1
+    "The greenlet of one lane: load (or share) the file, build the instance (or take a kept one), solve each episode, note its answer."
+    fname, cname, api, mb = job['filename'], job['class_name'], job['api'], task['max_branches']
     try:
-        ns = shared_ns if shared_ns is not None else _namespace(job)
-        cls = ns[cname]
-        inst = cls(config=cfg) if api == 'authors' else cls(**cfg)
+        if task['mode'] == 'extras':
+            kept = hub.kept.get(tuple(task['of'][lane.id]))
+            if kept is None: raise RuntimeError("no kept lane to continue (the child was restarted)")
+            ns, cls, inst, cfg = kept
+        else:
+            cfg = task['config']
+            ns = shared_ns if shared_ns is not None else _namespace(job)
+            cls = ns[cname]
+            inst = cls(config=cfg) if api == 'authors' else cls(**cfg)
     except BaseException as e: raise _failure(e, fname, lane.id, -1, 'building') from None
     for k, (pos, pf, nb, flags) in enumerate(episodes):
         box = SafeQuestion(hub, lane, pf, nb, mb) if api == 'authors' else SafeEnv(hub, lane, pos, nb, mb)
@@ -254,6 +261,7 @@ def _run_lane(hub: _Hub, lane: _Lane, episodes: list, job: dict, task: dict, sha
         if flags & 1:
             d = json.dumps({'k': k, 'd': state_digest(inst if api == 'authors' else None, ns)}).encode()
             hub.note(lane.id, OP_DIGEST, len(d), d)
+    if task.get('keep'): hub.kept[(task['t'], lane.id)] = (ns, cls, inst, cfg)
 
 def _namespace(job: dict) -> dict:
     "The file run into a fresh module namespace."
@@ -261,7 +269,7 @@ def _namespace(job: dict) -> dict:
     exec(job['code'], ns)
     return ns
 
-# %% ../../nbs/07c_replay_safe_child.ipynb #f43633fc
+# %% ../../nbs/07c_replay_safe_child.ipynb #dbb36fdc
 def run_task(self: _Hub, job: dict, task: dict, shared_ns: dict | None) -> None:
     "Run one task (a configuration over the lanes the parent planned) to its `K_DONE` or `K_ERROR`."
     lanes = []
@@ -269,7 +277,7 @@ def run_task(self: _Hub, job: dict, task: dict, shared_ns: dict | None) -> None:
         lane = _Lane(i)
         lane.g = greenlet(lambda lane=lane, eps=eps: _run_lane(self, lane, eps, job, task, shared_ns), parent=self.main)
         lanes.append(lane)
-    self.req, self.strs, self.waiting = [], [], []
+    self.req, self.notes, self.strs, self.waiting = [], [], [], []
     try:
         for lane in lanes: lane.g.switch()
         while self.waiting: self._round(); memoise_scipy()
