@@ -113,14 +113,17 @@ def unpack_authors_log(packed):
     a[a == _N32] = N_CODE; a[a == _F32] = F_CODE; a[a == _C32] = C_CODE
     return a
 
-# %% ../../nbs/07b_replay_child.ipynb #e7843042
+# %% ../../nbs/07b_replay_child.ipynb #19119d96
 _CODE_TYPES = (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType, staticmethod, classmethod,
                property, types.MethodWrapperType, types.WrapperDescriptorType, types.MethodDescriptorType)
 
+_PLAIN = {dict, list, tuple, str, int, float, bool, type(None), bytes, set, frozenset, complex}
+
 class _StatePickler(pickle.Pickler):
     "Pickles data; code objects are written as their names."
-    def persistent_id(self, obj):
-        if isinstance(obj, _CODE_TYPES): return f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', type(obj).__name__)}"
+    def persistent_id(self, obj, _plain=_PLAIN, _code=_CODE_TYPES):
+        if type(obj) in _plain: return None                # most objects: a set lookup, no isinstance chain
+        if isinstance(obj, _code): return f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', type(obj).__name__)}"
         return None
 
 def _digest(obj) -> str | None:

@@ -282,7 +282,7 @@ def authors_log_kernel(codes, order, probes, n_probes, finals, tokens, probe_fre
             seen[finals[b]] = True
     return total, -1
 
-# %% ../../nbs/04_replay_fast.ipynb #0f2ac8c3
+# %% ../../nbs/04_replay_fast.ipynb #00d3cf34
 @njit(cache=True, nogil=True)
 def _start_episode(l, ls, lbr, lseen, plan, lane_off, orders, nbr):
     "Load the branch order of lane l's current episode and clear its state."
@@ -291,7 +291,16 @@ def _start_episode(l, ls, lbr, lseen, plan, lane_off, orders, nbr):
         lbr[l, 0, p] = orders[plan[row, 0], q, p]; lbr[l, 1, p] = 0; lbr[l, 2, p] = -1; lbr[l, 3, p] = 0
     for a in range(lseen.shape[1]): lseen[l, a] = -1
     for k in range(1, 5): ls[l, k] = 0
-    ls[l, 5] = 1
+    ls[l, 5] = 1; ls[l, 6] = _FNV_OFFSET; ls[l, 7] = 0
+
+_FNV_OFFSET, _FNV_PRIME = -3750763034362895579, 1099511628211      # 64-bit FNV-1a over the codes of an episode's actions
+
+@njit(cache=True, nogil=True)
+def _note_action(l, row, code, ls, plan, kept, nk):
+    "Fold an applied action into its episode's hash and count (flag 4), keep it (flag 2); the kept count."
+    if plan[row, 2] & 4: ls[l, 6] = (ls[l, 6] ^ code) * _FNV_PRIME; ls[l, 7] += 1
+    if plan[row, 2] & 2: kept[nk, 0] = row; kept[nk, 1] = code; nk += 1
+    return nk
 
 @njit(cache=True, nogil=True)
 def _read_at(l, p, q, lbr, probes, n_probes, finals, tokens, freq):
@@ -303,10 +312,10 @@ def _read_at(l, p, q, lbr, probes, n_probes, finals, tokens, freq):
     c = tokens[q, b] - freq[q] * k
     return finals[q, b], (c if c > 0 else 0), 1
 
-# %% ../../nbs/04_replay_fast.ipynb #65b874c5
+# %% ../../nbs/04_replay_fast.ipynb #a8d9b7c4
 @njit(cache=True, nogil=True)
 def serve_kernel(req, out, newq, kept, ls, lbr, lseen, plan, lane_off, orders, probes, n_probes, finals, tokens, freq, nbr,
-                 gold, ours, max_branches, res):
+                 gold, ours, max_branches, res, hashes):
     "Apply a batch of requests `req[n, 3]`: replies in `out`, (question, answer id) of each new answer in `newq`, kept actions in `kept`; (replies, new answers, kept actions, -1 or the bad request)."
     nr = 0; nn = 0; nk = 0
     L = ls.shape[0]
@@ -324,14 +333,14 @@ def serve_kernel(req, out, newq, kept, ls, lbr, lseen, plan, lane_off, orders, p
                 over = ls[l, 2] != 0
                 res[r, 0] = 1; res[r, 1] = 1 if (rev and x == gold[q] and not over) else 0; res[r, 2] = ls[l, 4]
                 res[r, 3] = (1 if over else 0) | (2 if (x >= -1 and not rev) else 0) | (ls[l, 2] << 4)
+            if plan[row, 2] & 4: hashes[row, 0] = ls[l, 6]; hashes[row, 1] = ls[l, 7]
             ls[l, 0] += 1; ls[l, 5] = 0
             continue
         if op == OP_PROBE or op == OP_PRUNE:             # ours: told, never waited for
             if not ours: return nr, nn, nk, i
             if ls[l, 2] == 0 and 0 <= x < ls[l, 1] and lbr[l, 3, x] == 0:
                 if op == OP_PRUNE: lbr[l, 3, x] = 1
-                if plan[row, 2] & 2:
-                    kept[nk, 0] = row; kept[nk, 1] = 4 * x + (1 if op == OP_PROBE else 2); nk += 1
+                nk = _note_action(l, row, 4 * x + (1 if op == OP_PROBE else 2), ls, plan, kept, nk)
             continue
         if ours != (op == OP_BRANCH or op == OP_ADVANCE or op == OP_READ_WHOLE): return nr, nn, nk, i
         if not (op == OP_PROBE_NEW or op == OP_PROBE_MORE or op == OP_FINAL_NEW or op == OP_BRANCH or op == OP_ADVANCE
@@ -369,7 +378,7 @@ def serve_kernel(req, out, newq, kept, ls, lbr, lseen, plan, lane_off, orders, p
             idx = lbr[l, 1, p] if op == OP_READ_WHOLE else (x if op == OP_PROBE_MORE else p)
             code = (N_CODE if op == OP_PROBE_NEW else F_CODE if op == OP_FINAL_NEW else x if op == OP_PROBE_MORE
                     else -1 if op == OP_BRANCH else -2 if op == OP_READ_WHOLE else 4 * x)
-            if plan[row, 2] & 2: kept[nk, 0] = row; kept[nk, 1] = code; nk += 1
+            nk = _note_action(l, row, code, ls, plan, kept, nk)
         out[nr, 0] = st; out[nr, 1] = idx; out[nr, 2] = fin; out[nr, 3] = c; nr += 1
     return nr, nn, nk, -1
 

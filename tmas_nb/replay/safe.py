@@ -43,21 +43,21 @@ def presentation_order(store, seed: int) -> list[int]:
     order = list(range(store.n_questions)); rng.shuffle(order)
     return order
 
-# %% ../../nbs/07e_replay_safe.ipynb #912d9b42
-_EPISODES_PER_LANE, _MAX_LANES = 6, 256      # with a proof: lanes of at least 6 episodes (each boundary costs one more)
+# %% ../../nbs/07e_replay_safe.ipynb #5e359c46
+_EPISODES_PER_LANE, _EPISODES_PER_FREE_LANE, _MAX_LANES = 24, 12, 128   # episodes per lane with a proof, without one
 
 def _lane_count(n_episodes: int, check: bool) -> int:
     "How many lanes a child runs for `n_episodes` episodes."
-    return max(1, min(_MAX_LANES, n_episodes // _EPISODES_PER_LANE if check else n_episodes))
+    return max(1, min(_MAX_LANES, n_episodes // (_EPISODES_PER_LANE if check else _EPISODES_PER_FREE_LANE)))
 
 def _split(items: list, n: int) -> list[list]:
     "`items` in `n` contiguous runs of nearly equal length."
     b = [len(items) * i // n for i in range(n + 1)]
     return [items[b[i]:b[i + 1]] for i in range(n)]
 
-# %% ../../nbs/07e_replay_safe.ipynb #ca2166a9
+# %% ../../nbs/07e_replay_safe.ipynb #5e112e7e
 _REQ_CAP = 1 << 20                                  # bytes of one batch frame: far more than any number of lanes needs
-_KEEP, _DIGEST = 2, 1                               # episode flags: keep its actions and answer; report a digest after it
+_DIGEST, _KEEP, _HASH = 1, 2, 4                     # episode flags: a digest after it; keep its actions; hash them (and keep its answer)
 
 class _Plan:
     "One configuration (task `t`) of one child, or its extra episodes (`of`: the kept lanes they continue): the kernel's state, what they reported."
@@ -70,11 +70,15 @@ class _Plan:
         self.orders = st.orders([ev.seeds[i] for i in self.seeds]) if self.seeds else np.zeros((0, st.n_questions, st.probes.shape[1]), np.int32)
         self.plan = np.array([[srow[e['s']], e['q'], e['flags'], e['res']] for e in rows], np.int64).reshape(-1, 4)
         self.lane_off = np.cumsum([0] + [len(l) for l in lanes]).astype(np.int64)
-        self.ls = np.zeros((L, 6), np.int64)
+        self.ls = np.zeros((L, 8), np.int64)
+        self.hashes = np.zeros((len(rows), 2), np.int64)
         self.lbr = np.zeros((L, 4, st.probes.shape[1]), np.int32)
         self.lseen = np.zeros((L, ev.n_vocab), np.int32)
         n = _REQ_CAP // 12 + 1
-        self.out, self.newq, self.kept = np.zeros((n, 4), np.int64), np.zeros((n, 2), np.int64), np.zeros((n, 2), np.int64)
+        self.reply, self.newq, self.kept = np.zeros(2 + 4 * n, np.int64), np.zeros((n, 2), np.int64), np.zeros((n, 2), np.int64)
+        self.out = self.reply[2:].reshape(n, 4)              # the replies, behind the reply's (count, new answers) header
+        self.args = (self.out, self.newq, self.kept, self.ls, self.lbr, self.lseen, self.plan, self.lane_off, self.orders, st.probes,
+                     st.n_probes, st.finals, st.tokens, st.probe_freq, st.n_branches, st.gold)
         self.digests, self.answers, self.logs, self.counts = {}, {}, {}, {}
         self.meta, self.row_of = rows, {id(e): r for r, e in enumerate(rows)}
 
@@ -85,25 +89,26 @@ class _Plan:
         return json.dumps({'t': self.t, 'config': self.config, 'mode': 'extras' if self.of is not None else mode, 'of': self.of,
                            'keep': self.keep, 'max_branches': self.ev.mb, 'lanes': lanes}).encode()
 
-# %% ../../nbs/07e_replay_safe.ipynb #62496b81
+# %% ../../nbs/07e_replay_safe.ipynb #a31cbbdf
 def _batch(self: _Plan, p: bytes) -> bytes:
     "The reply payload to one batch payload `p`; `ProtocolError` for anything that is not one."
     if len(p) < 12: raise ProtocolError("a batch too short")
     n, nn, nt = struct.unpack_from('<III', p)
     if 12 + 12 * n + 4 * nn + nt != len(p): raise ProtocolError("a batch whose sizes do not add up")
-    req = np.frombuffer(p, np.int32, 3 * n, 12).reshape(n, 3).copy()
-    if nn: self._notes(req, np.frombuffer(p, np.int32, nn, 12 + 12 * n).tolist(), p, 12 + 12 * n + 4 * nn)
-    ev = self.ev; st = ev.store
-    nr, nn, nk, bad = serve_kernel(req, self.out, self.newq, self.kept, self.ls, self.lbr, self.lseen, self.plan, self.lane_off,
-                                   self.orders, st.probes, st.n_probes, st.finals, st.tokens, st.probe_freq, st.n_branches, st.gold,
-                                   ev.ours, ev.mb_kernel, self.res)
+    req = np.frombuffer(p, np.int32, 3 * n, 12).reshape(n, 3)          # read-only: the kernel only reads it
+    if nn:
+        req = req.copy(); self._notes(req, np.frombuffer(p, np.int32, nn, 12 + 12 * n).tolist(), p, 12 + 12 * n + 4 * nn)
+    ev = self.ev
+    nr, nn, nk, bad = serve_kernel(req, *self.args, ev.ours, ev.mb_kernel, self.res, self.hashes)
     if bad >= 0: raise ProtocolError(f"request {bad} (lane {req[bad, 0]}, operation {req[bad, 1]}) is not one its episode can make")
     if nk: self._keep(self.kept[:nk].tolist())
+    self.reply[0], self.reply[1] = nr, nn
+    if not nn: return self.reply[:2 + 4 * nr].tobytes()
     new = [ev.vocab_bytes[q][a] for q, a in self.newq[:nn].tolist()]
-    return struct.pack('<II', nr, nn) + self.out[:nr].tobytes() + b''.join(struct.pack('<I', len(b)) + b for b in new)
+    return self.reply[:2 + 4 * nr].tobytes() + b''.join(struct.pack('<I', len(b)) + b for b in new)
 _Plan.batch = _batch
 
-# %% ../../nbs/07e_replay_safe.ipynb #24758908
+# %% ../../nbs/07e_replay_safe.ipynb #38b8af1b
 def _notes(self: _Plan, req, idx: list, p: bytes, off: int) -> None:
     "Read the answers and digests of a batch (in order), resolving each answer to its store id in `req`."
     ev, L, pending = self.ev, len(self.lanes), {}
@@ -119,7 +124,7 @@ def _notes(self: _Plan, req, idx: list, p: bytes, off: int) -> None:
             q = self.meta[row]['q']
             req[i, 2] = ev.vid[q].get(ans, -1) if isinstance(ans, str) else (-1 if isinstance(ans, dict) and 'too_long' in ans else -3)
             req[i, 1] = OP_ANSWERED; pending[l] = pending.get(l, 0) + 1
-            if self.meta[row]['flags'] & _KEEP: self.answers[row] = ans
+            if self.meta[row]['flags'] & (_KEEP | _HASH): self.answers[row] = ans
         elif op == OP_DIGEST:
             if x < 0 or off + x > len(p): raise ProtocolError("a digest longer than the batch")
             try: d = json.loads(p[off:off + x])
@@ -267,7 +272,7 @@ class _SafeEval:
             self.apis.add(api); self.ours = api == 'ours'
             if self.fresh is None: self.fresh = fresh
 
-# %% ../../nbs/07e_replay_safe.ipynb #db9497c0
+# %% ../../nbs/07e_replay_safe.ipynb #0e4d6e6e
 def _plans(self: _SafeEval, lanes_on: bool, check: bool) -> list:
     "Per child: its plans, one per configuration, then (with a proof) one of the extra episodes that continue its kept lanes."
     S, Q = len(self.seeds), self.store.n_questions
@@ -281,7 +286,7 @@ def _plans(self: _SafeEval, lanes_on: bool, check: bool) -> list:
                    for i in chunk for p, q in enumerate(self.perm[i])]
             glanes += [(j, lane) for lane in _split(eps, _lane_count(len(eps), check) if lanes_on else 1) if lane]
         if check:                                     # the flags first: a plan copies them
-            for _, lane in glanes[1:]: lane[0]['flags'] |= _DIGEST | _KEEP
+            for _, lane in glanes[1:]: lane[0]['flags'] |= _DIGEST | _HASH
             if t + 1 < len(self.configs): glanes[-1][1][-1]['flags'] |= _DIGEST
         plans = [_Plan(t, cfg, [l for jj, l in glanes if jj == j], self, self.res[t], keep=check) for j in range(len(chunks))]
         for j in range(len(chunks)): per_child[j].append(plans[j])
@@ -289,7 +294,7 @@ def _plans(self: _SafeEval, lanes_on: bool, check: bool) -> list:
         where = {id(l): (plans[j], k) for j in range(len(chunks)) for k, l in enumerate(plans[j].lanes)}
         for g in range(1, len(glanes)):
             (jp, prev), (_, lane) = glanes[g - 1], glanes[g]
-            extras[jp].append((t, where[id(prev)][1], dict(lane[0], res=-1, flags=_DIGEST | _KEEP), (where[id(lane)][0], lane[0])))
+            extras[jp].append((t, where[id(prev)][1], dict(lane[0], res=-1, flags=_DIGEST | _HASH), (where[id(lane)][0], lane[0])))
         if t + 1 < len(self.configs): self.ends.append((t, where[id(glanes[-1][1])][0], glanes[-1][1][-1]))
     for j, ex in enumerate(extras):
         if not ex: continue
@@ -343,7 +348,7 @@ def _fill(self: _SafeEval, per_child: list) -> None:
         T.logs[t], T.trace_errors[t] = logs, notes
 _SafeEval._fill = _fill
 
-# %% ../../nbs/07e_replay_safe.ipynb #55a88f4c
+# %% ../../nbs/07e_replay_safe.ipynb #561488a5
 def _exact(self: _SafeEval) -> bool:
     "Whether the digests and the extra episodes prove the lanes exact (see above)."
     if self.unproven or any(e is not None for e in self.tally.errors): return False
@@ -351,23 +356,24 @@ def _exact(self: _SafeEval) -> bool:
         row, xrow = plan.row_of[id(first)], int(xp.lane_off[k])
         d, x = plan.digests.get(row), xp.digests.get(xrow)
         if d is None or None in d or d != x: return False
-        if (plan.answers.get(row), plan.counts.get(row), plan.logs.get(row)) != (xp.answers.get(xrow), xp.counts.get(xrow), xp.logs.get(xrow)):
-            return False
+        if (plan.answers.get(row), plan.hashes[row].tolist()) != (xp.answers.get(xrow), xp.hashes[xrow].tolist()): return False
     for t, plan, last in self.ends:
         d = plan.digests.get(plan.row_of[id(last)])
         if self.fresh is None or d is None or d[1] != self.fresh: return False
     return True
 _SafeEval._exact = _exact
 
-# %% ../../nbs/07e_replay_safe.ipynb #853201fd
+# %% ../../nbs/07e_replay_safe.ipynb #73c5589f
 def _warm_serve_kernel() -> None:
     "Load `serve_kernel` from numba's cache while the children start (the dtypes of a store's arrays: the same compiled version)."
     try:
         i32, i64 = np.zeros(1, np.int32), np.zeros(1, np.int64)
         z = lambda *s_, d=np.int64: np.zeros(s_, d)
-        serve_kernel(z(0, 3, d=np.int32), z(1, 4), z(1, 2), z(1, 2), z(1, 6), z(1, 4, 1, d=np.int32), z(1, 1, d=np.int32),
-                     z(1, 4), z(2), z(1, 1, 1, d=np.int32), z(1, 1, 1, d=np.int32), z(1, 1, d=np.int32), z(1, 1, d=np.int32),
-                     z(1, 1), i64, i32, i32, False, -1, z(1, 4))
+        rest = (z(1, 4), z(1, 2), z(1, 2), z(1, 8), z(1, 4, 1, d=np.int32), z(1, 1, d=np.int32), z(1, 4), z(2),
+                z(1, 1, 1, d=np.int32), z(1, 1, 1, d=np.int32), z(1, 1, d=np.int32), z(1, 1, d=np.int32), z(1, 1), i64, i32, i32,
+                False, -1, z(1, 4), z(1, 2))
+        ro = z(0, 3, d=np.int32); ro.flags.writeable = False
+        serve_kernel(ro, *rest); serve_kernel(z(0, 3, d=np.int32), *rest)    # a batch without notes is read-only, one with them is not
     except Exception: pass
 
 def evaluate_safe(path, class_name, configs, store, seeds, s, mode, source, static_api, names, n_boot, keep_logs, mb) -> list:
