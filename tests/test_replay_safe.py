@@ -203,6 +203,62 @@ class Spy:
     assert r.error is None, r.error
 
 
+PROBING = '''
+from tmas_nb.replay.controllers import CMC
+class Probing:                    # ours: PROBE and PRUNE are told to the parent without a reply
+    def run(self, env):
+        for _ in range(3): env.branch()
+        seen = [env.probe(i) for i in range(3)]
+        env.prune(0)
+        while not env.finished(1): env.advance(1)
+        return env.probe(1) if seen.count(seen[1]) > 1 else env.probe(2)
+class MyCMC(CMC): pass            # a built-in as a file
+'''
+
+
+@pytest.mark.parametrize('cls,cfg,spec', [('Probing', {}, None), ('MyCMC', {'beta': 0.5}, 'cmc:beta=0.5')])
+def test_probe_and_prune_of_our_api_on_the_safe_path(tmp_path, peek_store, cls, cfg, spec):
+    """Ours: PROBE and PRUNE travel in the batch as actions without a reply. Before (a batch listing every told action
+    as a note): the parent took them for answers it could not read and stopped the child. Now: the safe path gives the
+    trusted path's scores and traces, and the built-ins' numbers."""
+    from tmas_nb.replay.evaluation import evaluate
+    p = write(tmp_path, 'probing.py', PROBING)
+    safe, trusted = (evaluate_file_configs(p, cls, [cfg], peek_store, seeds=range(4), keep_logs=True, trusted=t)[0] for t in (False, True))
+    assert safe.error is None and trusted.error is None, (safe.error, trusted.error)
+    assert (safe.eval_path, safe.api) == ('safe', 'ours')
+    assert (safe.acc, safe.avg_tokens, safe.per_question_tokens, safe.trace_logs) == \
+        (trusted.acc, trusted.avg_tokens, trusted.per_question_tokens, trusted.trace_logs)
+    if spec:
+        ref = evaluate(spec, peek_store, range(4))
+        assert (safe.acc, safe.avg_tokens) == pytest.approx((ref.acc, ref.avg_tokens))
+
+
+FORGE_MARK = '''
+class ForgeMark:                  # on its last question, writes one of the parent's own marks into its requests (and
+    def __init__(self, config=None): self.n = 0        # for an answer drops its real answer note: the counts add up)
+    def solve(self, question):
+        self.n += 1
+        a = question.get_new_branch_final_answer()
+        if self.n == 4:
+            question._req += (question._lid, OP, -2)
+            if DROP: question._hub.note = lambda *args, **kw: None
+        return a
+'''
+
+
+@pytest.mark.parametrize('mark', ['answered', 'digested'])
+def test_the_parents_own_marks_cannot_come_from_the_child(tmp_path, peek_store, mark):
+    """The parent marks the answers and digests it has read (OP_ANSWERED with the answer's store id, OP_DIGESTED) before
+    the kernel sees them. Before: a child that wrote those marks itself had them taken as read (here an answer given by
+    store id, -2, which is never counted as unrevealed; a forged digest mark was skipped). Now: a mark the batch does not
+    list as a note ends the child."""
+    from tmas_nb.replay.pipe import OP_ANSWERED, OP_DIGESTED
+    op = OP_ANSWERED if mark == 'answered' else OP_DIGESTED
+    p = write(tmp_path, 'forge_mark.py', FORGE_MARK.replace('OP,', f'{op},').replace('DROP', str(mark == 'answered')))
+    r = evaluate_file(p, 'ForgeMark', {}, peek_store, seeds=[0])
+    assert r.error and r.error.startswith('forge_mark.py: broke the protocol') and 'does not list as a note' in r.error, r.error
+
+
 # --- the ceiling on branches -------------------------------------------------------------------------------------------
 
 GREEDY = '''

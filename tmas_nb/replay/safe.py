@@ -10,7 +10,8 @@ from array import array
 import numpy as np
 
 from .child import _answers_from, _one_line, _ours_codes
-from .fast import serve_kernel
+from .fast import (serve_kernel, serve_loop, ST_FRAME, ST_CLOSED, ST_IO, ST_TIMEOUT, ST_OVER_CAP, ST_BAD, ST_MARK,
+                                 ST_KEPT, ST_REPLY)
 from .pipe import (FrameReader, FrameWriter, ProtocolError, PipeClosed, PipeTimeout, K_READY, K_FATAL, K_BATCH,
                                  K_DONE, K_ERROR, K_JOB, K_TASK, K_REPLY, K_QUIT, OP_PROBE_NEW, OP_PROBE_MORE, OP_FINAL_NEW,
                                  OP_BRANCH, OP_ADVANCE, OP_READ_WHOLE, OP_ANSWER, OP_DIGEST, OP_ANSWERED, OP_DIGESTED, _child_argv,
@@ -96,6 +97,8 @@ def _batch(self: _Plan, p: bytes) -> bytes:
     n, nn, nt = struct.unpack_from('<III', p)
     if 12 + 12 * n + 4 * nn + nt != len(p): raise ProtocolError("a batch whose sizes do not add up")
     req = np.frombuffer(p, np.int32, 3 * n, 12).reshape(n, 3)          # read-only: the kernel only reads it
+    if int(np.count_nonzero(req[:, 1] >= OP_ANSWER)) != nn:              # the parent's own marks come from `_notes` only
+        raise ProtocolError("an answer, a digest or a parent's mark the batch does not list as a note")
     if nn:
         req = req.copy(); self._notes(req, np.frombuffer(p, np.int32, nn, 12 + 12 * n).tolist(), p, 12 + 12 * n + 4 * nn)
     ev = self.ev
@@ -103,10 +106,15 @@ def _batch(self: _Plan, p: bytes) -> bytes:
     if bad >= 0: raise ProtocolError(f"request {bad} (lane {req[bad, 0]}, operation {req[bad, 1]}) is not one its episode can make")
     if nk: self._keep(self.kept[:nk].tolist())
     self.reply[0], self.reply[1] = nr, nn
+    return self.reply_bytes()
+
+def _reply_bytes(self: _Plan) -> bytes:
+    "The `K_REPLY` payload of the batch just served: `reply` (its count of replies and of new answers first), the new answers' text."
+    nr, nn = int(self.reply[0]), int(self.reply[1])
     if not nn: return self.reply[:2 + 4 * nr].tobytes()
-    new = [ev.vocab_bytes[q][a] for q, a in self.newq[:nn].tolist()]
+    new = [self.ev.vocab_bytes[q][a] for q, a in self.newq[:nn].tolist()]
     return self.reply[:2 + 4 * nr].tobytes() + b''.join(struct.pack('<I', len(b)) + b for b in new)
-_Plan.batch = _batch
+_Plan.batch, _Plan.reply_bytes = _batch, _reply_bytes
 
 # %% ../../nbs/07e_replay_safe.ipynb #38b8af1b
 def _notes(self: _Plan, req, idx: list, p: bytes, off: int) -> None:
@@ -179,14 +187,51 @@ def _error_text(self: _Session, plan: _Plan, p: bytes) -> str:
     return f"{ev.fname}: {_one_line(e.get('type'), 60)} {where}" + (f" ({sq})" if sq else '') + (f" {line}" if line else '') + f": {e.get('msg')}"
 _Session._error_text = _error_text
 
+# %% ../../nbs/07e_replay_safe.ipynb #22b3ea1f
+_OUT_CAP = 1 << 20                                  # bytes of a reply frame the compiled loop writes itself (a larger one: Python)
+
+class _Link:
+    "The parent's end of one child's pipes for `serve_loop`: the descriptors, the input buffer (`fill` bytes unread), the reply buffer."
+    def __init__(self, reader: FrameReader, wfd: int):
+        self.rfd, self.wfd = reader.fd, wfd
+        self.inb, self.outb = np.zeros(5 + _REQ_CAP + (1 << 16), np.uint8), np.zeros(_OUT_CAP, np.uint8)
+        self.req = np.zeros((_REQ_CAP // 12 + 1, 3), np.int32)
+        left = bytes(reader.buf); reader.buf.clear()         # what the reader already holds comes first
+        self.inb[:len(left)] = np.frombuffer(left, np.uint8); self.fill = len(left)
+
+    def take(self, n: int) -> bytes:
+        "The payload (`n` bytes) of the frame at the start of the buffer, removed from it."
+        p = self.inb[5:5 + n].tobytes(); rest = self.fill - 5 - n
+        self.inb[:rest] = self.inb[5 + n:self.fill].copy(); self.fill = rest
+        return p
+
+def _loop_error(code: int, info: int, link: _Link) -> Exception:
+    "The exception for a status of `serve_loop` that ends the child."
+    if code == ST_TIMEOUT: return PipeTimeout()
+    if code in (ST_CLOSED, ST_IO): return PipeClosed("the child closed its output")
+    if code == ST_OVER_CAP: return ProtocolError(f"a frame of {info} bytes, over the limit of {_REQ_CAP}")
+    if code == ST_BAD:
+        return ProtocolError(f"request {info} (lane {link.req[info, 0]}, operation {link.req[info, 1]}) is not one its episode can make")
+    if code == ST_MARK: return ProtocolError("an answer, a digest or a parent's mark the batch does not list as a note")
+    return ProtocolError(f"the serving loop stopped with status {code}")
+
 # %% ../../nbs/07e_replay_safe.ipynb #85d07bb8
-def _serve_plan(self: _Session, plan: _Plan, reader, writer) -> None:
-    "Send one plan's `K_TASK` and serve it to its `K_DONE` or `K_ERROR`, under its deadline."
-    s = self.ev.s
-    deadline = time.monotonic() + s.timeout
-    writer.send(K_TASK, plan.message(self.ev.child_mode), deadline)
+def _serve_plan(self: _Session, plan: _Plan, link: _Link, writer) -> None:
+    "Send one plan's `K_TASK` and serve it to its `K_DONE` or `K_ERROR` under its deadline: note-free batches in `serve_loop`, the rest here."
+    ev, st = self.ev, self.ev.store
+    deadline = time.monotonic() + ev.s.timeout
+    writer.send(K_TASK, plan.message(ev.child_mode), deadline)
+    state = (plan.reply, plan.out, plan.newq, plan.ls, plan.lbr, plan.lseen, plan.plan, plan.lane_off, plan.orders, st.probes,
+             st.n_probes, st.finals, st.tokens, st.probe_freq, st.n_branches, st.gold, ev.ours, ev.mb_kernel, plan.res, plan.hashes)
+    nk = 0
     while True:
-        kind, p = reader.read(deadline)
+        code, link.fill, nk, info = serve_loop(link.rfd, link.wfd, link.inb, link.fill, _REQ_CAP, int(deadline * 1e9), link.outb,
+                                               link.req, plan.kept, nk, ev.vflat, ev.voff, ev.vlen, *state)
+        if nk: plan._keep(plan.kept[:nk].tolist()); nk = 0
+        if code == ST_KEPT: continue
+        if code == ST_REPLY: writer.send(K_REPLY, plan.reply_bytes(), deadline); continue
+        if code != ST_FRAME: raise _loop_error(code, info, link)
+        kind, p = int(link.inb[4]), link.take(info)
         if kind == K_BATCH: writer.send(K_REPLY, plan.batch(p), deadline)
         elif kind == K_DONE:
             if not (plan.ls[:, 0] == np.diff(plan.lane_off)).all(): raise ProtocolError("done before every episode answered")
@@ -220,9 +265,10 @@ def _child(self: _Session, first: int) -> int:
         if not isinstance(ready, dict) or ready.get('api') not in ('authors', 'ours'): raise ProtocolError("a child ready with no API")
         self.api, self.fresh = ready['api'], ready.get('fresh')
         ev.found_api(self.api, self.fresh)
+        link = _Link(reader, proc.stdin.fileno())
         for k in range(first, len(self.plans)):
             cur = k
-            self._serve_plan(self.plans[k], reader, writer)
+            self._serve_plan(self.plans[k], link, writer)
         cur = None
         try: writer.send(K_QUIT, b'', time.monotonic() + 5)
         except (PipeClosed, PipeTimeout): pass
@@ -251,6 +297,15 @@ def _child(self: _Session, first: int) -> int:
     return k + 1
 _Session._child = _child
 
+# %% ../../nbs/07e_replay_safe.ipynb #d1774aa0
+def _answer_bytes(vocab_bytes: list, n_vocab: int) -> tuple:
+    "Every answer's UTF-8 bytes in one array, with its offset and length per (question, answer id): the text `serve_loop` replies with."
+    off, ln = np.zeros((len(vocab_bytes), n_vocab), np.int64), np.zeros((len(vocab_bytes), n_vocab), np.int64)
+    o = 0
+    for q, v in enumerate(vocab_bytes):
+        for a, b in enumerate(v): off[q, a], ln[q, a] = o, len(b); o += len(b)
+    return np.frombuffer(b''.join(b for v in vocab_bytes for b in v) or b'\0', np.uint8).copy(), off, ln
+
 # %% ../../nbs/07e_replay_safe.ipynb #e855bc78
 class _SafeEval:
     "One safe evaluation of a file on a store: the shared facts and the score arrays."
@@ -262,6 +317,7 @@ class _SafeEval:
         self.n_vocab = max(len(v) for v in store.vocab) + 1
         self.vid = [{a: i for i, a in enumerate(v)} for v in store.vocab]
         self.vocab_bytes = [[a.encode('utf-8', 'surrogatepass') for a in v] for v in store.vocab]
+        self.vflat, self.voff, self.vlen = _answer_bytes(self.vocab_bytes, self.n_vocab)
         self.job = json.dumps({'filename': path.name, 'source': source, 'class_name': class_name, 'api': s.api, 'digests': True}).encode()
         self.perm = [presentation_order(store, x) for x in seeds]
         self.lock, self.apis, self.fresh = threading.Lock(), set(), None
@@ -365,15 +421,14 @@ _SafeEval._exact = _exact
 
 # %% ../../nbs/07e_replay_safe.ipynb #73c5589f
 def _warm_serve_kernel() -> None:
-    "Load `serve_kernel` from numba's cache while the children start (the dtypes of a store's arrays: the same compiled version)."
+    "Load `serve_loop` and `serve_kernel` from numba's cache while the children start (the dtypes of a store's arrays: the same compiled versions)."
     try:
-        i32, i64 = np.zeros(1, np.int32), np.zeros(1, np.int64)
+        i32, i64, u8 = np.zeros(1, np.int32), np.zeros(1, np.int64), np.zeros(8, np.uint8)
         z = lambda *s_, d=np.int64: np.zeros(s_, d)
-        rest = (z(1, 4), z(1, 2), z(1, 2), z(1, 8), z(1, 4, 1, d=np.int32), z(1, 1, d=np.int32), z(1, 4), z(2),
-                z(1, 1, 1, d=np.int32), z(1, 1, 1, d=np.int32), z(1, 1, d=np.int32), z(1, 1, d=np.int32), z(1, 1), i64, i32, i32,
-                False, -1, z(1, 4), z(1, 2))
-        ro = z(0, 3, d=np.int32); ro.flags.writeable = False
-        serve_kernel(ro, *rest); serve_kernel(z(0, 3, d=np.int32), *rest)    # a batch without notes is read-only, one with them is not
+        state = (z(1, 8), z(1, 4, 1, d=np.int32), z(1, 1, d=np.int32), z(1, 4), z(2), z(1, 1, 1, d=np.int32), z(1, 1, 1, d=np.int32),
+                 z(1, 1, d=np.int32), z(1, 1, d=np.int32), z(1, 1), i64, i32, i32, False, -1, z(1, 4), z(1, 2))
+        serve_kernel(z(0, 3, d=np.int32), z(1, 4), z(1, 2), z(1, 2), *state)   # a batch with notes (the Python path)
+        serve_loop(-1, -1, u8, 0, 1, 0, u8, z(1, 3, d=np.int32), z(1, 2), 0, u8, z(1, 1), z(1, 1), z(6), z(1, 4), z(1, 2), *state)
     except Exception: pass
 
 def evaluate_safe(path, class_name, configs, store, seeds, s, mode, source, static_api, names, n_boot, keep_logs, mb) -> list:

@@ -55,9 +55,13 @@ class _Hub:
         return self.main.switch()
 
     def note(self, lane: _Lane, op: int, arg: int = 0, text: bytes | None = None) -> None:
-        "Tell the parent without waiting; `text` (e.g. an answer) travels after the arrays."
+        "Tell the parent without waiting something it reads before the kernel (an answer, a digest); `text` travels after the arrays."
         grp = lane.grp; grp.notes.append(len(grp.req) // 3); grp.req += (lane.id, op, arg)
         if text is not None: grp.strs.append(text)
+
+    def tell(self, lane: _Lane, op: int, arg: int) -> None:
+        "Tell the parent without waiting an action the kernel takes as it is (PROBE, PRUNE): not a note."
+        lane.grp.req += (lane.id, op, arg)
 
 # %% ../../nbs/07c_replay_safe_child.ipynb #add10bd2
 def _texts(buf: bytes, off: int, n: int) -> list:
@@ -232,14 +236,14 @@ SafeEnv.branch_id, SafeEnv.read_whole_id, SafeEnv.advance_id = branch_id, read_w
 def probe(self: SafeEnv, i: int) -> str:
     "PROBE(i): the answer branch i reached, already revealed; told to the parent for the trace."
     self._check(i, 'PROBE')
-    self._hub.note(self._lane, OP_PROBE, int(i))
+    self._hub.tell(self._lane, OP_PROBE, int(i))
     self.probes_revealed.append((i, self.depth[i], self.latest[i]))
     return self._vocab[self.latest[i]]
 
 def prune(self: SafeEnv, i: int) -> None:
     "PRUNE(i): give up branch i; told to the parent, which then refuses to read it."
     self._check(i, 'PRUNE')
-    self._hub.note(self._lane, OP_PRUNE, int(i))
+    self._hub.tell(self._lane, OP_PRUNE, int(i))
     self.pruned[i] = True
 
 SafeEnv.probe, SafeEnv.prune = probe, prune
