@@ -40,6 +40,22 @@ def peek_store():
     return ReplayStore.from_records([record(q, '7', PEEK_BRANCHES) for q in range(4)], name='peek')
 
 
+@pytest.fixture(params=['cgroup', 'rlimit'])
+def enforcement(request, monkeypatch):
+    """Under both ways of enforcing the sandbox budget (the cgroup one where cgroups can be made here), in this process and
+    in the processes it starts."""
+    sandbox.limits_enforcement.cache_clear()
+    if request.param == 'rlimit':
+        monkeypatch.setenv('TMAS_SANDBOX_LIMITS', 'rlimit')
+    elif sandbox.limits_enforcement() != 'cgroup':
+        sandbox.limits_enforcement.cache_clear()
+        pytest.skip('no cgroup can be made on this machine (not root, no delegated cgroup): only the rlimit budget applies')
+    sandbox.limits_enforcement.cache_clear()
+    yield request.param
+    monkeypatch.delenv('TMAS_SANDBOX_LIMITS', raising=False)
+    sandbox.limits_enforcement.cache_clear()
+
+
 # --- a controller reads what it has not paid for ----------------------------------------------------------------------
 
 PEEK_HELPERS = '''
@@ -70,7 +86,7 @@ def peek_finals(*objs):
 '''
 
 
-def test_unread_branches_are_not_in_the_child_authors_api(tmp_path, peek_store):
+def test_unread_branches_are_not_in_the_child_authors_api(tmp_path, peek_store, enforcement):
     """The exploit of the issue: look at the unread branches, pick the majority's cheapest branch, read only that one
     (`probe_more` with a negative index reaches any unopened branch). Before: 100 % at one short branch per question."""
     cheat = write(tmp_path, 'peek.py', PEEK_HELPERS + '''
@@ -98,7 +114,7 @@ class One:
 ''')
     r = evaluate_file(cheat, 'Peek', {}, peek_store, seeds=range(6))
     h = evaluate_file(honest, 'One', {}, peek_store, seeds=range(6))
-    assert r.error is None and h.error is None and r.eval_path == 'safe'
+    assert r.error is None and h.error is None and r.eval_path == 'safe' and r.limits == enforcement
     assert (r.acc, r.avg_tokens, r.per_question_tokens) == (h.acc, h.avg_tokens, h.per_question_tokens)
     assert h.acc < 100
 
@@ -414,7 +430,7 @@ class Forge:
 
 @pytest.mark.parametrize('trusted', [False, True])
 @pytest.mark.parametrize('kind', ['lines', 'frames'])
-def test_forged_starts_cannot_keep_an_evaluation_alive(tmp_path, peek_store, trusted, kind):
+def test_forged_starts_cannot_keep_an_evaluation_alive(tmp_path, peek_store, trusted, kind, enforcement):
     """Before: each forged `{"t": 0, "start": 1}` line restarted the task's deadline, so a `--timeout 2` evaluation never
     ended. Now a start is the parent's (safe path) or one per task (trusted path), and anything else ends the child."""
     msgs = "b'{\"t\": 0, \"start\": 1}\\n'," if kind == 'lines' else 'START,'
@@ -426,7 +442,7 @@ def test_forged_starts_cannot_keep_an_evaluation_alive(tmp_path, peek_store, tru
     assert not th.is_alive(), 'the evaluation is still running 40 s after a 2 s timeout'
     err = out['r'].error
     assert err.startswith('forge.py: ') and ('protocol' in err or 'timed out after 2 s' in err), err
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < 30 and out['r'].limits == enforcement
 
 
 FLOOD = '''
@@ -459,16 +475,6 @@ for trusted in (False, True):
     out[str(trusted)] = dict(grew_mb=(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024, error=r.error)
 print(json.dumps(out))
 '''
-
-
-@pytest.fixture(params=['cgroup', 'rlimit'])
-def enforcement(request):
-    """Each flood runs under both ways of enforcing the sandbox budget (the cgroup one where cgroups can be made here)."""
-    sandbox.limits_enforcement.cache_clear()
-    if request.param == 'cgroup' and sandbox.limits_enforcement() != 'cgroup':
-        pytest.skip('no cgroup can be made on this machine (not root, no delegated cgroup): only the rlimit budget applies')
-    sandbox.limits_enforcement.cache_clear()
-    return request.param
 
 
 def test_result_floods_cannot_grow_the_parent(tmp_path, peek_store, enforcement):
