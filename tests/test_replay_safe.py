@@ -375,6 +375,14 @@ LANE_CASES = {
                 SEEN.append(1)
                 return question.probe_new()[0] if len(SEEN) % 5 else '3'
     ''', [(True, True), (False, False)]),
+    'UsesScipy': ('''
+        from scipy.stats import beta as beta_dist
+        class UsesScipy:                  # SciPy's beta in the module (its values are kept per call): still provable
+            def __init__(self, config=None): pass
+            def solve(self, question):
+                a = [question.get_new_branch_final_answer() for _ in range(3)]
+                return a[0] if beta_dist.cdf(0.5, 1 + a.count(a[0]), 1) < 0.5 else a[1]
+    ''', [(True, True)]),
     'UsesRandom': ('''
         import random
         class UsesRandom:                 # the global generator: shared by the lanes, so never provable

@@ -351,9 +351,9 @@ def safe_child_main() -> None:
         got = _load(job, pipe)
         if got is None: return
         ns, job['api'] = got
+        memoise_scipy()                 # before the fresh digest: the lanes' modules see SciPy's values kept too
         fresh = state_digest(None, ns)[1] if job.get('digests') else None
         pipe.send(K_READY, json.dumps({'api': job['api'], 'fresh': fresh}).encode())
-        memoise_scipy()
         hub = _Hub(pipe)
         while True:
             kind, payload = pipe.recv()
