@@ -97,6 +97,7 @@ FLAGS = {
     '--controller-class': ('its class', {'replay eval', 'replay grid', 'replay show', 'run'}),
     '--controller-config': ("its class's parameters", {'replay eval', 'replay show', 'run'}),
     '--controller-configs': ("its class's parameter sets", {'replay grid'}),
+    '--max-branches': ('the ceiling on branches per episode', {'replay eval', 'replay grid'}),
     '--seeds': ('number of seeds (branch orders)', {'discover', 'replay eval', 'replay grid'}),
     '--trace': ('a step trace file', {'replay eval'}), '--trace-seeds': ('seeds traced', {'replay eval'}),
     '--question': ('one question of the store, 0-based', {'replay show'}), '--png': ('the PNG file a picture goes to', {'compare', 'replay show'}),

@@ -94,8 +94,6 @@ def test_the_ceiling_goes_to_the_evaluator_64_by_default_none_when_off(tmp_path,
     assert DiscoveryConfig().max_branches == 64 and discovery.PRESETS['paper']['max_branches'] == 64
 
 
-@pytest.mark.skipif(not takes_keyword(evaluate_file_configs, 'max_branches'),
-                    reason='the evaluator here does not take max_branches yet (it comes with the safe evaluation path)')
 def test_a_65th_branch_is_an_error_of_the_episode_shown_to_the_explorer_next_round(tmp_path):
     wide = _store(tmp_path, 'wide', n_branches=80)
     greedy = controller("_majority_answer([question.get_new_branch_final_answer() for _ in range(1 + round(self.beta * 69))])")

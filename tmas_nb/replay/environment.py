@@ -13,7 +13,7 @@ from fastcore.basics import patch
 from .store import ReplayStore
 
 # %% auto #0
-__all__ = ['Action', 'IllegalAction', 'Step', 'ReplayEnv']
+__all__ = ['Action', 'IllegalAction', 'BranchCeilingError', 'ceiling_message', 'Step', 'ReplayEnv']
 
 # %% ../../nbs/02_replay_environment.ipynb #a26dc918
 class Action(str, Enum):
@@ -22,6 +22,15 @@ class Action(str, Enum):
 # %% ../../nbs/02_replay_environment.ipynb #1e0d62e6
 class IllegalAction(ValueError):
     "An action that the current state does not admit; it was not applied and cost nothing."
+
+# %% ../../nbs/02_replay_environment.ipynb #7e114635
+class BranchCeilingError(IllegalAction):
+    "A branch past `max_branches`: refused, and its episode fails (it counts as wrong whatever it answers)."
+
+# %% ../../nbs/02_replay_environment.ipynb #987e46e3
+def ceiling_message(what: str, max_branches) -> str:
+    "The one wording of a refusal at the ceiling, in both APIs and on every evaluation path."
+    return f"{what}: refused, past the ceiling of max_branches={max_branches}; the episode counts as failed"
 
 # %% ../../nbs/02_replay_environment.ipynb #d2c31af0
 @dataclass
@@ -32,6 +41,7 @@ class Step:
     answer: str | None
     cost: int
     finished: bool = False
+    error: str | None = None       # why the action was refused and the episode failed (the ceiling)
 
 # %% ../../nbs/02_replay_environment.ipynb #29b8b2b9
 @dataclass
@@ -42,6 +52,7 @@ class ReplayEnv:
     seed: int | None = 0
     probe_cost: float = 0.0
     record: bool = False
+    max_branches: int | None = None    # the ceiling on opened branches (None: every stored branch)
     order: np.ndarray = field(init=False, repr=False)
     depth: list = field(init=False)        # intervals read per opened branch (n_probes+1 = finished)
     tokens_read: list = field(init=False)  # ℓ: tokens charged per opened branch
@@ -51,10 +62,14 @@ class ReplayEnv:
     trace: list = field(init=False)
     done: bool = field(init=False, default=False)
     final_answer: str | None = field(init=False, default=None)
+    error: str | None = field(init=False, default=None)   # why the episode failed (a branch past max_branches)
 
     def __post_init__(self):
         q, st = self.question, self.store
         if not 0 <= q < st.n_questions: raise IndexError(f"question {q} out of range (store has {st.n_questions})")
+        mb = self.max_branches
+        if mb is not None and (isinstance(mb, bool) or not isinstance(mb, (int, np.integer)) or mb < 1):
+            raise ValueError(f"max_branches must be a whole number >= 1 or None, got {mb!r}")
         nb = int(st.n_branches[q])
         self.order = st.orders([self.seed])[0, q, :nb] if self.seed is not None else np.arange(nb, dtype=np.int32)
         self.depth, self.tokens_read, self.pruned, self.latest = [], [], [], []
@@ -97,10 +112,21 @@ def state(self:ReplayEnv) -> dict:
 # %% ../../nbs/02_replay_environment.ipynb #23fff0b1
 @patch
 def _check(self:ReplayEnv, i, what):
+    if self.error: raise BranchCeilingError(self.error)
     if self.done: raise IllegalAction(f"{what}: the episode already answered")
     if not isinstance(i, (int, np.integer)) or not 0 <= i < self.m:
         raise IllegalAction(f"{what}({i}): branch {i} was never opened (opened: 0..{self.m - 1})" if self.m else f"{what}({i}): no branch has been opened yet")
     if self.pruned[i]: raise IllegalAction(f"{what}({i}): branch {i} was pruned")
+
+# %% ../../nbs/02_replay_environment.ipynb #dfbbdb2b
+@patch
+def _ceiling(self:ReplayEnv, what: str) -> None:
+    "Refuse opening a branch past `max_branches` (if set): the episode fails, with the reason in `error` and the trace."
+    if self.error: raise BranchCeilingError(self.error)
+    if self.max_branches is None or self.m < self.max_branches: return
+    self.error = ceiling_message(what, self.max_branches)
+    if self.record: self.trace.append(Step(Action(what), None, None, 0, error=self.error))
+    raise BranchCeilingError(self.error)
 
 # %% ../../nbs/02_replay_environment.ipynb #8187660e
 @patch
@@ -122,6 +148,7 @@ def branch_id(self:ReplayEnv) -> tuple[int, int, bool]:
     "BRANCH, with the answer as an id: returns (branch index, answer id, finished)."
     if self.done: raise IllegalAction("BRANCH: the episode already answered")
     if self.n_available <= 0: raise IllegalAction(f"BRANCH: all {len(self.order)} branches are already open")
+    self._ceiling('BRANCH')
     self.depth.append(0); self.tokens_read.append(0); self.pruned.append(False); self.latest.append(-1)
     i = self.m - 1
     a, c, fin = self._read_interval(i)
@@ -140,6 +167,7 @@ def read_whole_id(self:ReplayEnv) -> int:
     "Open the next branch and read all of it for `branch_tokens`; returns the final answer id."
     if self.done: raise IllegalAction("READ_WHOLE: the episode already answered")
     if self.n_available <= 0: raise IllegalAction(f"READ_WHOLE: all {len(self.order)} branches are already open")
+    self._ceiling('READ_WHOLE')
     i = self.m; b = self._b(i); q = self.question
     c = int(self.store.tokens[q, b]); a = int(self.store.finals[q, b])
     self.depth.append(self._np(i) + 1); self.tokens_read.append(c); self.pruned.append(False); self.latest.append(a)
@@ -196,10 +224,10 @@ def _stop(self:ReplayEnv, a: str | None) -> None:
 
 @patch
 def answer(self:ReplayEnv, a: str | None) -> bool:
-    "ANSWER: stop with answer `a`; returns whether it matches the gold answer exactly."
+    "ANSWER: stop with answer `a`; returns whether it is right (matches the gold answer exactly, and the episode has not failed)."
     self._stop(a)
-    return a == self.store.gold_answers[self.question]
+    return self.error is None and a == self.store.gold_answers[self.question]
 
 # %% ../../nbs/02_replay_environment.ipynb #4721546e
 @patch(as_prop=True)
-def correct(self:ReplayEnv) -> bool: return self.done and self.final_answer == self.store.gold_answers[self.question]
+def correct(self:ReplayEnv) -> bool: return self.done and self.error is None and self.final_answer == self.store.gold_answers[self.question]

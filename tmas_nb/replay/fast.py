@@ -5,17 +5,24 @@
 # %% ../../nbs/04_replay_fast.ipynb #2b2c5eb1
 from __future__ import annotations
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from .controllers import (ASC, CMC, ESC, ParallelProbe, SelfConsistency, beta_confidence_table,
                                         cmc_schedule, check_fits_store, Controller)
 from .environment import ReplayEnv
 from .store import ReplayStore
-from .authors_api import N_CODE, F_CODE
+from .authors_api import N_CODE, F_CODE, C_CODE
+from .pipe import (K_BATCH, K_REPLY, OP_ANSWER, OP_PROBE_NEW, OP_PROBE_MORE, OP_FINAL_NEW, OP_BRANCH, OP_ADVANCE,
+                                   OP_READ_WHOLE, OP_PROBE, OP_PRUNE, OP_ANSWERED, OP_DIGESTED, E_CEILING, E_RANGE, E_INDEX,
+                                   E_ILLEGAL, FL_FINISHED, FL_NEW)
 
 # %% auto #0
-__all__ = ['sc_kernel', 'asc_kernel', 'esc_kernel', 'pp_kernel', 'cmc_kernel', 'authors_log_kernel', 'has_fast', 'run_fast',
-           'check_against_reference']
+__all__ = ['ST_FRAME', 'ST_CLOSED', 'ST_IO', 'ST_TIMEOUT', 'ST_OVER_CAP', 'ST_BAD', 'ST_MARK', 'ST_KEPT', 'ST_REPLY', 'sc_kernel',
+           'asc_kernel', 'esc_kernel', 'pp_kernel', 'cmc_kernel', 'authors_log_kernel', 'serve_kernel', 'serve_loop',
+           'has_fast', 'run_fast', 'check_against_reference']
 
 # %% ../../nbs/04_replay_fast.ipynb #d0113d05
 @njit(cache=True, nogil=True)
@@ -251,13 +258,15 @@ def cmc_kernel(n_init, max_branch, warm_up, patience, T_ema, alpha, conf_thresh,
 
 # %% ../../nbs/04_replay_fast.ipynb #8c7a4c0c
 @njit(cache=True, nogil=True)
-def authors_log_kernel(codes, order, probes, n_probes, finals, tokens, probe_freq, seen):
-    "(tokens charged, -1) by an authors'-API log on one question, revealed answer ids set in `seen`; (-1, j) if action j cannot replay."
+def authors_log_kernel(codes, order, probes, n_probes, finals, tokens, probe_freq, seen, max_branches):
+    "(tokens charged, -1) by an authors'-API log on one question, revealed ids set in `seen`; (-1, j) if action j cannot replay; (charged before, -2) at the ceiling."
     n = order.shape[0]; probed = np.zeros(n, np.int64); opened = 0; total = 0
     for j in range(codes.shape[0]):
         a = codes[j]
+        if a == C_CODE: return total, -2
         if a == F_CODE:
             if opened >= n: return -1, j
+            if max_branches >= 0 and opened >= max_branches: return total, -2
             b = order[opened]; opened += 1; total += tokens[b]; seen[finals[b]] = True
             continue
         if a == N_CODE:
@@ -267,6 +276,7 @@ def authors_log_kernel(codes, order, probes, n_probes, finals, tokens, probe_fre
             if a > opened: return -1, j
             i = a + n if a < 0 else a
             if i < 0 or i >= n: return -1, j
+        if max_branches >= 0 and i >= max_branches: return total, -2
         b = order[i]; k = probed[i]
         if k < n_probes[b]:
             probed[i] = k + 1; total += probe_freq; seen[probes[b, k]] = True
@@ -276,6 +286,255 @@ def authors_log_kernel(codes, order, probes, n_probes, finals, tokens, probe_fre
             seen[finals[b]] = True
     return total, -1
 
+# %% ../../nbs/04_replay_fast.ipynb #00d3cf34
+@njit(cache=True, nogil=True)
+def _start_episode(l, ls, lbr, lseen, plan, lane_off, orders, nbr):
+    "Load the branch order of lane l's current episode and clear its state."
+    row = lane_off[l] + ls[l, 0]; q = plan[row, 1]; nb = nbr[q]
+    for p in range(nb):
+        lbr[l, 0, p] = orders[plan[row, 0], q, p]; lbr[l, 1, p] = 0; lbr[l, 2, p] = -1; lbr[l, 3, p] = 0
+    for a in range(lseen.shape[1]): lseen[l, a] = -1
+    for k in range(1, 5): ls[l, k] = 0
+    ls[l, 5] = 1; ls[l, 6] = _FNV_OFFSET; ls[l, 7] = 0
+
+_FNV_OFFSET, _FNV_PRIME = -3750763034362895579, 1099511628211      # 64-bit FNV-1a over the codes of an episode's actions
+
+@njit(cache=True, nogil=True)
+def _note_action(l, row, code, ls, plan, kept, nk):
+    "Fold an applied action into its episode's hash and count (flag 4), keep it (flag 2); the kept count."
+    if plan[row, 2] & 4: ls[l, 6] = (ls[l, 6] ^ code) * _FNV_PRIME; ls[l, 7] += 1
+    if plan[row, 2] & 2: kept[nk, 0] = row; kept[nk, 1] = code; nk += 1
+    return nk
+
+@njit(cache=True, nogil=True)
+def _read_at(l, p, q, lbr, probes, n_probes, finals, tokens, freq):
+    "Read the next interval of position p of lane l's episode: (answer id, cost, finished)."
+    b = lbr[l, 0, p]; k = lbr[l, 1, p]
+    if k < n_probes[q, b]:
+        lbr[l, 1, p] = k + 1
+        return probes[q, b, k], freq[q], 0
+    c = tokens[q, b] - freq[q] * k
+    return finals[q, b], (c if c > 0 else 0), 1
+
+# %% ../../nbs/04_replay_fast.ipynb #a8d9b7c4
+@njit(cache=True, nogil=True)
+def serve_kernel(req, out, newq, kept, ls, lbr, lseen, plan, lane_off, orders, probes, n_probes, finals, tokens, freq, nbr,
+                 gold, ours, max_branches, res, hashes):
+    "Apply a batch of requests `req[n, 3]`: replies in `out`, (question, answer id) of each new answer in `newq`, kept actions in `kept`; (replies, new answers, kept actions, -1 or the bad request)."
+    nr = 0; nn = 0; nk = 0
+    L = ls.shape[0]
+    for i in range(req.shape[0]):
+        l = req[i, 0]; op = req[i, 1]; x = req[i, 2]
+        if l < 0 or l >= L: return nr, nn, nk, i
+        if op == OP_DIGESTED: continue                    # read by the parent (it may follow the lane's last answer)
+        if lane_off[l] + ls[l, 0] >= lane_off[l + 1]: return nr, nn, nk, i
+        if ls[l, 5] == 0: _start_episode(l, ls, lbr, lseen, plan, lane_off, orders, nbr)
+        row = lane_off[l] + ls[l, 0]; q = plan[row, 1]; nb = nbr[q]
+        if op == OP_ANSWERED:                             # an answer the parent read and resolved to a store id (or -1, -3)
+            r = plan[row, 3]
+            if r >= 0:
+                rev = x >= 0 and lseen[l, x] >= 0
+                over = ls[l, 2] != 0
+                res[r, 0] = 1; res[r, 1] = 1 if (rev and x == gold[q] and not over) else 0; res[r, 2] = ls[l, 4]
+                res[r, 3] = (1 if over else 0) | (2 if (x >= -1 and not rev) else 0) | (ls[l, 2] << 4)
+            if plan[row, 2] & 4: hashes[row, 0] = ls[l, 6]; hashes[row, 1] = ls[l, 7]
+            ls[l, 0] += 1; ls[l, 5] = 0
+            continue
+        if op == OP_PROBE or op == OP_PRUNE:             # ours: told, never waited for
+            if not ours: return nr, nn, nk, i
+            if ls[l, 2] == 0 and 0 <= x < ls[l, 1] and lbr[l, 3, x] == 0:
+                if op == OP_PRUNE: lbr[l, 3, x] = 1
+                nk = _note_action(l, row, 4 * x + (1 if op == OP_PROBE else 2), ls, plan, kept, nk)
+            continue
+        if ours != (op == OP_BRANCH or op == OP_ADVANCE or op == OP_READ_WHOLE): return nr, nn, nk, i
+        if not (op == OP_PROBE_NEW or op == OP_PROBE_MORE or op == OP_FINAL_NEW or op == OP_BRANCH or op == OP_ADVANCE
+                or op == OP_READ_WHOLE): return nr, nn, nk, i
+        st = 0; idx = 0; fin = 0; c = 0; a = -1; p = -1; code = 0
+        opened = ls[l, 1]
+        if op == OP_PROBE_NEW or op == OP_BRANCH or op == OP_READ_WHOLE or op == OP_FINAL_NEW:
+            p = opened
+            if p >= nb: st = E_ILLEGAL if ours else (E_INDEX if op == OP_FINAL_NEW else E_RANGE)
+        elif op == OP_PROBE_MORE:
+            if x > opened: st = E_RANGE
+            else:
+                p = x + nb if x < 0 else x
+                if p < 0 or p >= nb: st = E_INDEX
+        else:                                            # CONTINUE(x)
+            p = x
+            if x < 0 or x >= opened or lbr[l, 3, x] != 0 or lbr[l, 1, x] > n_probes[q, lbr[l, 0, x]]: st = E_ILLEGAL
+        if st == 0 and (ls[l, 2] != 0 or (max_branches >= 0 and p >= max_branches)):
+            st = E_CEILING
+            if ls[l, 2] == 0: ls[l, 2] = op
+        if st == 0:
+            if op == OP_FINAL_NEW or op == OP_READ_WHOLE:
+                b = lbr[l, 0, p]; a = finals[q, b]; c = tokens[q, b]; fin = 1
+                if op == OP_READ_WHOLE: lbr[l, 1, p] = n_probes[q, b] + 1
+            else:
+                a, c, fin = _read_at(l, p, q, lbr, probes, n_probes, finals, tokens, freq)
+            lbr[l, 2, p] = a
+            if op == OP_PROBE_NEW or op == OP_BRANCH or op == OP_READ_WHOLE or op == OP_FINAL_NEW: ls[l, 1] = opened + 1
+            ls[l, 4] += c
+            li = lseen[l, a]
+            if li < 0:
+                li = ls[l, 3]; lseen[l, a] = li; ls[l, 3] += 1
+                newq[nn, 0] = q; newq[nn, 1] = a; nn += 1; fin |= FL_NEW
+            st = li
+            idx = lbr[l, 1, p] if op == OP_READ_WHOLE else (x if op == OP_PROBE_MORE else p)
+            code = (N_CODE if op == OP_PROBE_NEW else F_CODE if op == OP_FINAL_NEW else x if op == OP_PROBE_MORE
+                    else -1 if op == OP_BRANCH else -2 if op == OP_READ_WHOLE else 4 * x)
+            nk = _note_action(l, row, code, ls, plan, kept, nk)
+        out[nr, 0] = st; out[nr, 1] = idx; out[nr, 2] = fin; out[nr, 3] = c; nr += 1
+    return nr, nn, nk, -1
+
+# %% ../../nbs/04_replay_fast.ipynb #5a96e5a0
+_I8P, _I32, _I64 = ir.IntType(8).as_pointer(), ir.IntType(32), ir.IntType(64)
+
+def _data_ptr(context, builder, aryty, aryv, off=None):
+    "The address of an array's data (plus `off` bytes) in generated code."
+    ptr = builder.bitcast(context.make_array(aryty)(context, builder, aryv).data, _I8P)
+    return builder.gep(ptr, [off]) if off is not None else ptr
+
+def _libc_rw(name: str):
+    "An intrinsic calling libc's `read` or `write` on an array's bytes from `off`: (fd, array, off, n) -> ssize_t."
+    @intrinsic
+    def rw(typingctx, fd, buf, off, n):
+        def codegen(context, builder, sig, args):
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I64, [_I32, _I8P, _I64]), name)
+            return builder.call(fn, [builder.trunc(args[0], _I32), _data_ptr(context, builder, sig.args[1], args[1], args[2]), args[3]])
+        return types.int64(fd, buf, off, n), codegen
+    return rw
+
+_sys_read, _sys_write = _libc_rw('read'), _libc_rw('write')
+
+@intrinsic
+def _sys_poll(typingctx, pfd, timeout):
+    "libc `poll` on the one `struct pollfd` held by int32 array `pfd` ([fd, events | revents << 16]), `timeout` ms."
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I32, [_I8P, _I64, _I32]), 'poll')
+        return builder.call(fn, [_data_ptr(context, builder, sig.args[0], args[0]), ir.Constant(_I64, 1), builder.trunc(args[1], _I32)])
+    return types.int32(pfd, timeout), codegen
+
+@intrinsic
+def _sys_clock(typingctx, ts):
+    "libc `clock_gettime(CLOCK_MONOTONIC)` into int64 array `ts` (seconds, nanoseconds)."
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I32, [_I32, _I8P]), 'clock_gettime')
+        return builder.call(fn, [ir.Constant(_I32, 1), _data_ptr(context, builder, sig.args[0], args[0])])
+    return types.int32(ts), codegen
+
+@intrinsic
+def _sys_errno(typingctx):
+    "The calling thread's `errno`."
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I32.as_pointer(), []), '__errno_location')
+        return builder.load(builder.call(fn, []))
+    return types.int32(), codegen
+
+# %% ../../nbs/04_replay_fast.ipynb #9db27801
+_EINTR, _EAGAIN, _POLLIN, _POLLOUT = 4, 11, 1, 4
+ST_FRAME, ST_CLOSED, ST_IO, ST_TIMEOUT, ST_OVER_CAP, ST_BAD, ST_MARK, ST_KEPT, ST_REPLY = range(9)
+
+@njit(cache=True, nogil=True)
+def _now_ns(ts):
+    _sys_clock(ts)
+    return ts[0] * 1_000_000_000 + ts[1]
+
+@njit(cache=True, nogil=True)
+def _wait_fd(fd, events, deadline_ns, pfd, ts):
+    "Wait until `fd` is ready for `events` (or has failed); 0, or ST_TIMEOUT at the deadline."
+    while True:
+        rem = deadline_ns - _now_ns(ts)
+        if rem <= 0: return ST_TIMEOUT
+        pfd[0] = fd; pfd[1] = events
+        r = _sys_poll(pfd, rem // 1_000_000 + 1)
+        if r > 0 or (r < 0 and _sys_errno() != _EINTR): return 0
+
+@njit(cache=True, nogil=True)
+def _u32(b, o):
+    return np.int64(b[o]) | (np.int64(b[o + 1]) << 8) | (np.int64(b[o + 2]) << 16) | (np.int64(b[o + 3]) << 24)
+
+@njit(cache=True, nogil=True)
+def _put_u32(b, o, v):
+    b[o] = v & 255; b[o + 1] = (v >> 8) & 255; b[o + 2] = (v >> 16) & 255; b[o + 3] = (v >> 24) & 255
+
+@njit(cache=True, nogil=True)
+def _write_all(fd, b, n, deadline_ns, pfd, ts):
+    "Write `b[:n]` to `fd` before the deadline; 0, ST_TIMEOUT or ST_IO."
+    o = 0
+    while o < n:
+        r = _sys_write(fd, b, o, n - o)
+        if r > 0: o += r; continue
+        e = _sys_errno()
+        if r < 0 and e == _EINTR: continue
+        if r < 0 and e == _EAGAIN:
+            if _wait_fd(fd, _POLLOUT, deadline_ns, pfd, ts) == ST_TIMEOUT: return ST_TIMEOUT
+            continue
+        return ST_IO
+    return 0
+
+# %% ../../nbs/04_replay_fast.ipynb #f74568fe
+@njit(cache=True, nogil=True)
+def _read_frame(rfd, inb, fill, cap, deadline_ns, pfd, ts):
+    "Read until `inb` starts with a whole frame; (0 or a status, fill, payload length)."
+    while True:
+        if fill >= 5:
+            n = _u32(inb, 0)
+            if n > cap: return ST_OVER_CAP, fill, n
+            if fill >= 5 + n: return 0, fill, n
+        r = _sys_read(rfd, inb, fill, inb.shape[0] - fill)
+        if r > 0: fill += r; continue
+        if r == 0: return ST_CLOSED, fill, 0
+        e = _sys_errno()
+        if e == _EINTR: continue
+        if e != _EAGAIN: return ST_IO, fill, e
+        if _wait_fd(rfd, _POLLIN, deadline_ns, pfd, ts) == ST_TIMEOUT: return ST_TIMEOUT, fill, 0
+
+@njit(cache=True, nogil=True)
+def _reply_frame(outb, reply, nr, nnew, newq, vflat, voff, vlen):
+    "Write the `K_REPLY` frame of a served batch into `outb`; its length, or -1 when it does not fit."
+    reply[0] = nr; reply[1] = nnew
+    size = 8 * (2 + 4 * nr)
+    for k in range(nnew): size += 4 + vlen[newq[k, 0], newq[k, 1]]
+    if 5 + size > outb.shape[0]: return -1
+    _put_u32(outb, 0, size); outb[4] = K_REPLY
+    rb = reply.view(np.uint8)
+    for i in range(8 * (2 + 4 * nr)): outb[5 + i] = rb[i]
+    o = 5 + 8 * (2 + 4 * nr)
+    for k in range(nnew):
+        L = vlen[newq[k, 0], newq[k, 1]]; s0 = voff[newq[k, 0], newq[k, 1]]
+        _put_u32(outb, o, L); o += 4
+        for i in range(L): outb[o + i] = vflat[s0 + i]
+        o += L
+    return o
+
+@njit(cache=True, nogil=True)
+def serve_loop(rfd, wfd, inb, fill, cap, deadline_ns, outb, req, kept, nk, vflat, voff, vlen, reply, out, newq, ls, lbr, lseen,
+               plan, lane_off, orders, probes, n_probes, finals, tokens, freq, nbr, gold, ours, max_branches, res, hashes):
+    "Answer the child's note-free batches until a frame needs Python or something fails; (status, fill, kept, info)."
+    pfd = np.zeros(2, np.int32); ts = np.zeros(2, np.int64)
+    while True:
+        st, fill, n = _read_frame(rfd, inb, fill, cap, deadline_ns, pfd, ts)
+        if st != 0: return st, fill, nk, n
+        if inb[4] != K_BATCH or n < 12: return ST_FRAME, fill, nk, n
+        m = _u32(inb, 5)
+        if _u32(inb, 9) != 0 or 12 + 12 * m + _u32(inb, 13) != n: return ST_FRAME, fill, nk, n
+        if kept.shape[0] - nk < m: return ST_KEPT, fill, nk, 0
+        for i in range(m):
+            for j in range(3):
+                v = _u32(inb, 17 + 12 * i + 4 * j)
+                req[i, j] = v - (1 << 32) if v >= (1 << 31) else v
+            if req[i, 1] >= OP_ANSWER: return ST_MARK, fill, nk, i
+        nr, nnew, nk2, bad = serve_kernel(req[:m], out, newq, kept[nk:], ls, lbr, lseen, plan, lane_off, orders, probes, n_probes,
+                                           finals, tokens, freq, nbr, gold, ours, max_branches, res, hashes)
+        if bad >= 0: return ST_BAD, fill, nk, bad
+        nk += nk2
+        rest = fill - 5 - n
+        for i in range(rest): inb[i] = inb[5 + n + i]
+        fill = rest
+        o = _reply_frame(outb, reply, nr, nnew, newq, vflat, voff, vlen)
+        if o < 0: return ST_REPLY, fill, nk, 0
+        st = _write_all(wfd, outb, o, deadline_ns, pfd, ts)
+        if st != 0: return st, fill, nk, 0
 
 # %% ../../nbs/04_replay_fast.ipynb #20df4b2c
 def _arrays(store: ReplayStore):

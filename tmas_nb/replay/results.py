@@ -29,15 +29,19 @@ class EvalResult:
     api: str | None = None               # controller files: 'ours' or 'authors'
     sandbox: str | None = None           # controller files: the isolation used ('bwrap', ..., 'none'); None for a built-in
     limits: str | None = None            # controller files: how the memory budget was enforced
+    eval_path: str | None = None         # controller files: 'safe' (the parent holds the store and answers each action) or 'trusted'
+    max_branches: int | None = None      # controller files: the ceiling on branches per episode (None: none)
+    over_max_branches: int = 0           # controller files: episodes (seeds x questions) failed at that ceiling
     unrevealed: int = 0                  # controller files: answers that no logged action revealed
     seconds: float | None = None         # controller files: wall clock of the evaluation
     trace_seed: int | None = None        # with kept logs: the seed whose answers and action logs are in `trace_logs`
     trace_api: str | None = None
     trace_logs: list | None = field(default=None, repr=False)
+    trace_errors: list | None = None     # with kept logs: per question, why that episode failed (the ceiling), or None
 
 # %% ../../nbs/05a_replay_results.ipynb #2a6ce02d
-_FILE_ONLY = ('error', 'api', 'sandbox', 'limits', 'unrevealed', 'seconds')
-_TRACE = ('trace_seed', 'trace_api', 'trace_logs')
+_FILE_ONLY = ('error', 'api', 'sandbox', 'limits', 'eval_path', 'max_branches', 'over_max_branches', 'unrevealed', 'seconds')
+_TRACE = ('trace_seed', 'trace_api', 'trace_logs', 'trace_errors')
 
 def _keys(r: EvalResult, per_question: bool | None) -> list:
     "The keys of `r`'s dict, in the order they are written."
@@ -61,11 +65,12 @@ def from_dict(cls:EvalResult, d: dict) -> EvalResult:
 
 # %% ../../nbs/05a_replay_results.ipynb #2afaaef0
 @patch(cls_method=True)
-def failed(cls:EvalResult, controller: str, store: str, seeds: int, error: str, api: str | None, sandbox: str, limits: str) -> EvalResult:
+def failed(cls:EvalResult, controller: str, store: str, seeds: int, error: str, api: str | None, sandbox: str, limits: str,
+           eval_path: str | None = None, max_branches: int | None = None) -> EvalResult:
     "The record of a controller file that failed: NaN numbers and the cause in `error`."
     nan = float('nan')
     return cls(controller, store, nan, nan, nan, nan, seeds, error=error, acc_std=nan, api=api, sandbox=sandbox, limits=limits,
-               seconds=0.0)
+               eval_path=eval_path, max_branches=max_branches, seconds=0.0)
 
 # %% ../../nbs/05a_replay_results.ipynb #edeb8164
 @patch
