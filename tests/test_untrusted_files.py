@@ -107,6 +107,23 @@ def test_runs_show_reads_no_bank_file_outside_the_folder_or_through_a_link(hosti
     r = tmas('runs', 'show', bad, '--problem', pid, timeout=60)
     assert r.returncode == 2 and 'which is not inside the run folder' in r.stderr, r.stderr
 
+def test_run_files_are_read_without_following_links_or_waiting_on_fifos(hostile_run, tmp_path):
+    "A folder from elsewhere: a FIFO as status.json, records.parquet a link to another run's, a checkpoint a link to /dev/zero."
+    def one_line(r, *words):
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and all(w in lines[0] for w in words), r.stderr
+    a = tmp_path / 'a'; shutil.copytree(hostile_run.run_dir, a)
+    (a / 'status.json').unlink(); os.mkfifo(a / 'status.json')                  # before: the read waited for a writer
+    one_line(tmas('runs', 'summary', a, timeout=60), 'status.json', 'not a regular file')
+    b = tmp_path / 'b'; shutil.copytree(hostile_run.run_dir, b)
+    (b / 'records.parquet').unlink(); (b / 'records.parquet').symlink_to(a / 'records.parquet')   # before: read through the link
+    one_line(tmas('runs', 'summary', b, timeout=60), 'records.parquet', 'symbolic link')
+    c = tmp_path / 'c'; shutil.copytree(hostile_run.run_dir, c)
+    for f in ('records.parquet', 'banks.parquet', 'usage.json', 'calls.parquet'): (c / f).unlink(missing_ok=True)
+    cp = next(c.glob('checkpoints/**/iter_0.json')); cp.unlink(); cp.symlink_to('/dev/zero')   # before: read until memory ran out
+    one_line(tmas('runs', 'summary', c, timeout=60), 'iter_0.json', 'symbolic link')
+
+
 def test_error_lines_escape_too(tmp_path):
     r = tmas('runs', 'show', tmp_path / f'gone{CLEAR}')
     assert r.returncode == 2 and r.stderr.startswith('tmas: error: ') and len(r.stderr.strip().splitlines()) == 1

@@ -11,11 +11,11 @@ from pathlib import Path
 import platformdirs
 
 # %% auto #0
-__all__ = ['DATA_HINT', 'FETCH_HINTS', 'LOCK_FILE', 'HEAVY_MODULES', 'repo_root', 'user_data_dir', 'check_data_folder',
-           'find_data_dir', 'data_dir', 'fetch_hint', 'file_mode', 'atomic_file', 'atomic_write_bytes',
-           'atomic_write_text', 'atomic_write_json', 'sha256_file', 'json_ready', 'FolderInUse', 'in_use_message',
-           'lock_holder', 'folder_lock', 'lazy_import', 'UntrustedFileError', 'read_untrusted', 'read_untrusted_text',
-           'terminal_safe']
+__all__ = ['DATA_HINT', 'FETCH_HINTS', 'LOCK_FILE', 'HEAVY_MODULES', 'RUN_FILE_MAX_BYTES', 'repo_root', 'user_data_dir',
+           'check_data_folder', 'find_data_dir', 'data_dir', 'fetch_hint', 'file_mode', 'atomic_file',
+           'atomic_write_bytes', 'atomic_write_text', 'atomic_write_json', 'sha256_file', 'json_ready', 'FolderInUse',
+           'in_use_message', 'lock_holder', 'folder_lock', 'lazy_import', 'UntrustedFileError', 'read_untrusted',
+           'read_untrusted_text', 'read_untrusted_json', 'open_untrusted', 'terminal_safe']
 
 # %% ../nbs/00_core.ipynb #e9ebc090
 DATA_HINT = ("Get the AutoTTS replay stores with `tmas data fetch autotts` (or everything public with "
@@ -284,6 +284,25 @@ def read_untrusted_text(path: str | os.PathLike, max_bytes: int, what: str = 'fi
     data = read_untrusted(path, max_bytes, what)
     try: return data.decode('utf-8')
     except UnicodeDecodeError as e: raise UntrustedFileError(f"{what} {os.fspath(path)} is not UTF-8 text (byte {e.start})") from None
+
+# %% ../nbs/00_core.ipynb #2f7bce24
+RUN_FILE_MAX_BYTES = int(os.environ.get('TMAS_RUN_FILE_MAX_BYTES', 256 << 20))
+"The largest JSON file of a run folder (config, status, a checkpoint, a bank) read back: 256 MiB unless `TMAS_RUN_FILE_MAX_BYTES` says."
+
+def read_untrusted_json(path: str | os.PathLike, what: str = 'file', max_bytes: int | None = None):
+    "The JSON value of a file a run folder or cache ships with: `read_untrusted_text` (no final link, a regular file, at most `RUN_FILE_MAX_BYTES`), then `json.loads` (its `JSONDecodeError` is left to the caller, who knows what to advise)."
+    return json.loads(read_untrusted_text(path, RUN_FILE_MAX_BYTES if max_bytes is None else max_bytes, what))
+
+def open_untrusted(path: str | os.PathLike, what: str = 'file'):
+    "Regular file `path` opened for binary reading without following a final link (a Parquet file of a run folder: too large to read whole); else `UntrustedFileError`."
+    path = os.fspath(path)
+    try: fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, 'O_NOCTTY', 0) | getattr(os, 'O_CLOEXEC', 0))
+    except OSError as e:
+        why = 'is a symbolic link' if e.errno == errno.ELOOP else (e.strerror or str(e)).lower()
+        raise UntrustedFileError(f"{what} {path} {why}; it must be a regular file") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd); raise UntrustedFileError(f"{what} {path} is not a regular file; refused")
+    return os.fdopen(fd, 'rb')
 
 # %% ../nbs/00_core.ipynb #b2d9f807
 def terminal_safe(text, keep_newlines: bool = True) -> str:

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 from fastcore.basics import patch
 
-from .core import atomic_write_json
+from .core import atomic_write_json, read_untrusted_json
 
 # %% auto #0
 __all__ = ['TMAS_DEDUP_THRESHOLD', 'RSE_DEDUP_THRESHOLD', 'MINILM_PACKAGE', 'MINILM_REQUIREMENT', 'Embedder', 'minilm_dir',
@@ -256,7 +256,7 @@ def _read_bank_file(path: str | os.PathLike, kind: str) -> dict:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no saved {kind} here; use {kind}.resume(path) to start a new one when the file is missing")
-    try: d = json.loads(path.read_text(encoding='utf-8'))
+    try: d = read_untrusted_json(path, 'bank file')
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); "
                          f"delete the file to start the bank afresh") from None

@@ -14,7 +14,7 @@ import pandas as pd
 from fastcore.basics import patch
 from tqdm.auto import tqdm
 
-from .core import atomic_write_json
+from .core import atomic_write_json, read_untrusted_json
 from .llm.core import LLM, Completion
 from .agents import (SamplingConfig, AgentContext, TMAS_ROLE_SAMPLING, DISTILL_MAX_CHARS, rollout_trajectory, Verification, MemoryUpdate, MeteredLLM, compact_calls, derive_rng, is_fully_verified,
                             solve, verify, summarize, update_experience, update_guidelines, distill, rse_rollouts,
@@ -610,7 +610,7 @@ def _problem_checkpoints(d: Path) -> list[dict]:
     for f in d.glob('iter_*.json'):
         m = re.fullmatch(r'iter_(\d+)\.json', f.name)
         if not m: continue
-        try: payload = json.loads(f.read_text(encoding='utf-8'))
+        try: payload = read_untrusted_json(f, 'checkpoint')
         except json.JSONDecodeError as e:
             raise ValueError(f"{f}: not valid JSON ({e.msg}); delete this file to redo that iteration") from None
         if payload.get('iteration') != int(m[1]):
@@ -652,7 +652,7 @@ def read_problem_checkpoints(run_dir, problem_id: str, last_only: bool = False) 
     while (d / f'iter_{n}.json').exists(): n += 1
     for k in range(n - 1 if last_only and n else 0, n):
         p = d / f'iter_{k}.json'
-        try: items.append(json.loads(p.read_text(encoding='utf-8')))
+        try: items.append(read_untrusted_json(p, 'checkpoint'))
         except json.JSONDecodeError as e:
             raise ValueError(f"{p}: not valid JSON ({e.msg}); delete this file to redo that iteration") from None
         if items[-1].get('problem_id') != str(problem_id):

@@ -17,7 +17,7 @@ import pyarrow as pa, pyarrow.parquet as pq
 import tmas_nb
 from .llm.models import canonical_model_name
 
-from .core import LOCK_FILE, atomic_file, atomic_write_bytes, atomic_write_json, lock_holder
+from .core import LOCK_FILE, atomic_file, atomic_write_bytes, atomic_write_json, lock_holder, read_untrusted_json, open_untrusted
 from .methods import RECORD_COLUMNS, MethodConfig, iter_checkpoints, read_checkpoints, records_frame
 from .core import terminal_safe
 
@@ -145,7 +145,7 @@ def prepare_run_dir(run_dir, cfg: dict) -> dict:
     "Create `run_dir` with `config.json`, or check that the run already there has the same configuration."
     run_dir = Path(run_dir); path = run_dir / 'config.json'
     if path.exists():
-        try: old = json.loads(path.read_text(encoding='utf-8'))
+        try: old = read_untrusted_json(path, 'run file')
         except json.JSONDecodeError as e: raise ValueError(f"{path}: not valid JSON ({e.msg}); this folder cannot be resumed, use a new --out") from None
         diff = _differences(old, cfg)
         if diff:
@@ -242,7 +242,7 @@ def _carried_verdicts(path: Path, records: list[dict]) -> list[list[bool]]:
 def finish_run(run_dir, cache_stats: dict | None = None) -> Path:
     "Write `records.parquet`, `banks.parquet`, `calls.parquet` and `usage.json` from the checkpoints of `run_dir` (each read once, one problem at a time)."
     run_dir = Path(run_dir)
-    cfg = json.loads((run_dir / 'config.json').read_text(encoding='utf-8'))
+    cfg = read_untrusted_json((run_dir / 'config.json'), 'run file')
     records, banks, usage, events, name = [], [], [], [], run_dir.resolve().name
     with ParquetRows(run_dir / 'calls.parquet', call_schema()) as calls:   # one problem's checkpoints in memory at a time
         for pid, items in iter_checkpoints(run_dir, cfg.get('problem_ids')):
@@ -270,7 +270,7 @@ def write_status(run_dir, complete: bool, wall_s: float, **extra) -> dict:
     return st
 
 def _read_json(path: Path) -> dict:
-    try: return json.loads(Path(path).read_text(encoding='utf-8'))
+    try: return read_untrusted_json(Path(path), 'run file')
     except json.JSONDecodeError as e: raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); rerun the run to rewrite it") from None
 
 def read_status(run_dir) -> dict:
@@ -452,8 +452,8 @@ def load_run(run_dir) -> Run:
     missing = [f for f in FINISHED_FILES if not (run_dir / f).exists()]
     has_checkpoints = (run_dir / 'checkpoints').is_dir()
     if not missing and (status.get('complete') or not has_checkpoints):
-        rec = _checked(pd.read_parquet(run_dir / 'records.parquet'), RECORD_COLUMNS, run_dir / 'records.parquet')
-        banks = _checked(pd.read_parquet(run_dir / 'banks.parquet'), BANK_COLUMNS, run_dir / 'banks.parquet')
+        with open_untrusted(run_dir / 'records.parquet', 'run file') as f: rec = _checked(pd.read_parquet(f), RECORD_COLUMNS, run_dir / 'records.parquet')
+        with open_untrusted(run_dir / 'banks.parquet', 'run file') as f: banks = _checked(pd.read_parquet(f), BANK_COLUMNS, run_dir / 'banks.parquet')
         return Run(run_dir, cfg, records_frame(rec), banks_frame(banks), _read_json(run_dir / 'usage.json'), status, judge,
                    running=running)
     if has_checkpoints or running is not None:   # interrupted, or running and maybe without a checkpoint yet

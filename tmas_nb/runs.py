@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 import pyarrow as pa, pyarrow.parquet as pq
 
-from .core import atomic_write_json, folder_lock, terminal_safe
+from .core import atomic_write_json, folder_lock, terminal_safe, read_untrusted_json
 from .data import load_benchmark, first_k, read_problem_ids, select_problems
 from .llm.cache import CachedLLM, open_cache_db
 from .llm.core import engine_stats, run_sync
@@ -77,7 +77,7 @@ def resolve_auto_backend(run_dir, model: str, config, concurrency: int, llm_kw: 
     path = Path(run_dir) / 'config.json'
     old = None
     if path.is_file():
-        try: old = json.loads(path.read_text(encoding='utf-8'))
+        try: old = read_untrusted_json(path, 'run file')
         except json.JSONDecodeError: old = None   # prepare_run_dir reports it
     if old and old.get('backend') in ('transformers', 'llama.cpp'):   # a resumed run keeps the engine it started on
         choice = old.get('engine_choice') or {'backend': old['backend'], 'kwargs': {}, 'reason': 'recorded by an earlier version'}
@@ -93,7 +93,7 @@ def check_run_files(run_dir) -> None:
     run_dir = Path(run_dir)
     st, cache, rec = run_dir / 'status.json', run_dir / 'calls.sqlite', run_dir / 'records.parquet'
     if st.exists():
-        try: json.loads(st.read_text(encoding='utf-8'))
+        try: read_untrusted_json(st, 'run file')
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{st}: not valid JSON ({e}); move it aside with `mv {st} {st}.bad` and rerun: it is written again") from None
     if cache.exists(): open_cache_db(cache).close()
@@ -609,7 +609,7 @@ def run_folders(folder) -> list[Path]:
     if (folder / 'config.json').exists(): return [folder]
     if not (folder / RUNS_FILE).exists():
         raise FileNotFoundError(f"{folder}: neither a run folder (config.json) nor a folder of independent runs ({RUNS_FILE})")
-    names = [f for f in read_json(folder / RUNS_FILE, RUNS_FILE).get('folders', []) if isinstance(f, str)]
+    names = [f for f in read_untrusted_json(folder / RUNS_FILE, RUNS_FILE).get('folders', []) if isinstance(f, str)]
     # a folder may come from elsewhere: only plain names inside it, never a path out of it
     return [folder / f for f in names if f not in ('', '.', '..') and Path(f).name == f and (folder / f / 'config.json').exists()]
 
