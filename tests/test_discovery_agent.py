@@ -104,7 +104,10 @@ def test_scripted_agent_finds_no_answer_no_heldout_and_its_evaluation_still_work
     assert rep['system'] and rep['pythons'], rep
     # the only controllers in reach are the seeds in the workspace's template (and the task that names the API)
     allowed = {str((ws / 'code_base' / f).resolve()) for f in ('method.py', 'method.template.py')} | {str((ws / 'PROMPT.md').resolve())}
-    assert set(rep['hits']) <= allowed, sorted(set(rep['hits']) - allowed)
+    # its_hub (a peer library the gateway's benchmark compares with, installed with the dev tools) defines its own generic
+    # SelfConsistency class: public, and none of this package's controllers, words or numbers
+    peers = {h for h in rep['hits'] if '/site-packages/its_hub/' in h and h.endswith('.py')}
+    assert set(rep['hits']) - peers <= allowed, sorted(set(rep['hits']) - peers - allowed)
     assert 'abandon_patience' not in METHOD_TEMPLATE and 'class ASCMethod' in METHOD_TEMPLATE
     assert rep['import_rc'] != 0                       # the package is not importable in the sandbox: it is masked
     # the evaluation command still returns curves: the run's evaluator answered it

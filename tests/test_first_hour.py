@@ -77,7 +77,9 @@ def test_a_misspelled_model_stops_before_the_run_folder_exists(tmp_path):
 def test_papers_sizes_on_a_cpu_ask_for_yes(tmp_path):
     "No preset, the method's own (paper) sizes, the model on this CPU: hours, so the run does not start without --yes."
     r = tmas('run', '--method', 'tmas', '--benchmark', 'demo', '--limit', '2', '--model', 'smollm2', '--out', tmp_path / 'r')
-    line = one_error(r)
+    note, line = lines(r.stderr)                       # the protocol's one line (paper-shaped, no preset), then the refusal
+    assert note.startswith('no --preset: this run has the structure of --preset tmas-paper'), note
+    assert r.returncode == 2 and line.startswith('tmas') and ': error: ' in line, r.stderr
     assert 'pass --yes to start it anyway' in line and re.search(r'estimated at [\d.]+ h', line), line
     assert not (tmp_path / 'r').exists()
 
@@ -111,7 +113,7 @@ def test_ctrl_c_ends_a_run_at_once_with_one_line(tmp_path):
     m = re.fullmatch(r'tmas: interrupted; (\d+) calls kept; rerun the same command to resume', last)
     assert m, err[-2000:]
     st = json.loads((out / 'status.json').read_text())
-    assert st['complete'] is False and st['calls_kept'] == int(m.group(1)) and st['interrupted'] == f'by Ctrl-C; {m.group(1)} calls kept'
+    assert st['complete'] is False and st['calls_kept'] == int(m.group(1)) and st['interrupted'] == f'cancelled (Ctrl-C, or its caller left); {m.group(1)} calls kept'
 
 
 def test_stdout_holds_only_the_output_on_a_machine_with_no_converted_model(tmp_path):

@@ -3,6 +3,7 @@
 A small threaded server on 127.0.0.1 answers every chat call after a pause and keeps the most calls it held at once.
 """
 import http.server, json, os, subprocess, sys, threading, time
+from pathlib import Path
 
 import pytest
 
@@ -104,13 +105,14 @@ def test_a_command_imports_only_its_own_module():
 
 
 def _reads_of_checkpoints(monkeypatch):
-    "Count, per checkpoint file, how often it is read (every checkpoint read goes through Path.read_text)."
-    import collections, pathlib
-    reads, orig = collections.Counter(), pathlib.Path.read_text
-    def counting(self, *a, **kw):
-        if self.name.startswith('iter_'): reads[str(self)] += 1
-        return orig(self, *a, **kw)
-    monkeypatch.setattr(pathlib.Path, 'read_text', counting)
+    "Count, per checkpoint file, how often it is read (every checkpoint read goes through `methods.read_untrusted_json`)."
+    import collections
+    from tmas_nb import methods
+    reads, orig = collections.Counter(), methods.read_untrusted_json
+    def counting(path, *a, **kw):
+        if Path(path).name.startswith('iter_'): reads[str(path)] += 1
+        return orig(path, *a, **kw)
+    monkeypatch.setattr(methods, 'read_untrusted_json', counting)
     return reads
 
 

@@ -37,7 +37,7 @@ from asyncio import CancelledError
 # %% auto #0
 __all__ = ['METHOD_ROLES', 'ARM_SOURCES', 'STRUCTURE', 'ENDPOINT_ROLES', 'LONG_CPU_RUN_S', 'RUNS_FILE', 'CUT_WARNING',
            'PRESET_HELP', 'record_server', 'resolve_auto_backend', 'check_run_files', 'RunOptions', 'sampling_by_role',
-           'run_record', 'start_run', 'RunInterrupted', 'stop_reason', 'record_stop', 'context_of',
+           'run_record', 'start_run', 'RunInterrupted', 'stop_reason', 'record_stop', 'sync_run', 'context_of',
            'model_context_length', 'cap_to_context', 'layer_settings', 'distiller_context', 'tmas_arm',
            'paper_differences', 'custom_line', 'protocol_of', 'protocol_name', 'parse_role_endpoint',
            'parse_role_endpoints', 'RunPlan', 'plan_run', 'check_run_model', 'check_long_run', 'summary_line',
@@ -242,13 +242,22 @@ def stop_reason(e: BaseException) -> str:
 
 # %% ../nbs/24_runs.ipynb #9de4b911
 def record_stop(run_dir, e: BaseException, kept: int, wall: float, before: dict, progress: dict, est=None) -> dict:
-    "Write `status.json` of a run stopped by `e` (`interrupted` for Ctrl-C, else `failed`) with the calls kept; Ctrl-C is raised on as `RunInterrupted`."
+    "Write `status.json` of a run stopped by `e` (`interrupted` for Ctrl-C or a cancelled task, else `failed`) with the calls kept; Ctrl-C is raised on as `RunInterrupted`, a cancellation stays a cancellation (a server's caller that left)."
     interrupted = isinstance(e, (KeyboardInterrupt, CancelledError))
-    why = {'interrupted': f'by Ctrl-C; {kept} calls kept'} if interrupted else {'failed': stop_reason(e)}
+    how = 'by Ctrl-C' if isinstance(e, KeyboardInterrupt) else 'cancelled (Ctrl-C, or its caller left)'
+    why = {'interrupted': f'{how}; {kept} calls kept'} if interrupted else {'failed': stop_reason(e)}
     st = write_status(run_dir, False, wall, invocations=before.get('invocations', 0) + 1, calls_kept=kept, progress=progress,
                       **({'estimate': est.to_dict()} if est else {}), **why)
-    if interrupted: raise RunInterrupted(f"interrupted; {kept} calls kept; rerun the same command to resume") from None
+    if isinstance(e, KeyboardInterrupt): raise RunInterrupted(f"interrupted; {kept} calls kept; rerun the same command to resume") from None
     return st
+
+def sync_run(coro, run_dir):
+    "`run_sync(coro)` for the command line: Ctrl-C (which reaches the run as a cancelled task) ends as `RunInterrupted` saying how many calls were kept."
+    try: return run_sync(coro)
+    except KeyboardInterrupt as e:
+        if isinstance(e, RunInterrupted): raise
+        kept = read_status(run_dir).get('calls_kept', 0) if (Path(run_dir) / 'status.json').exists() else 0
+        raise RunInterrupted(f"interrupted; {kept} calls kept; rerun the same command to resume") from None
 
 # %% ../nbs/24_runs.ipynb #166c5c1a
 def context_of(model: str, backend: str = 'transformers', base_url: str | None = None,
@@ -569,8 +578,8 @@ def _cmd_run(args) -> int:
         for run in run_independent(plan, args.out): print(summary_line(run.summary(), run), file=sys.stderr)
         return 0
     ms = plan.model
-    run = run_sync(start_run(plan.method, plan.problems, plan.config, args.out, model=ms.model, backend=ms.backend,
-                             base_url=ms.base_url, options=plan.options, **plan.llm_kw))
+    run = sync_run(start_run(plan.method, plan.problems, plan.config, args.out, model=ms.model, backend=ms.backend,
+                             base_url=ms.base_url, options=plan.options, **plan.llm_kw), args.out)
     print(summary_line(run.summary(), run), file=sys.stderr)
     return 0
 
@@ -598,8 +607,8 @@ def run_independent(plan: RunPlan, out) -> list[Run]:
     for k in range(plan.runs):
         seed = base + k
         opts = dataclasses.replace(plan.options, record={**plan.options.record, 'independent_run': {'index': k, 'runs': index['runs'], 'seed': seed}})
-        runs.append(run_sync(start_run(plan.method, plan.problems, dataclasses.replace(plan.config, seed=seed), out / f'run-{k}',
-                                       model=ms.model, backend=ms.backend, base_url=ms.base_url, options=opts, **plan.llm_kw)))
+        runs.append(sync_run(start_run(plan.method, plan.problems, dataclasses.replace(plan.config, seed=seed), out / f'run-{k}',
+                                       model=ms.model, backend=ms.backend, base_url=ms.base_url, options=opts, **plan.llm_kw), out / f'run-{k}'))
     return runs
 
 # %% ../nbs/24_runs.ipynb #b7f3355a

@@ -186,7 +186,7 @@ def resolve_model(name: str) -> str:
     p = Path(name).expanduser()
     return str(p) if p.exists() else name
 
-# %% ../../nbs/11_llm_models.ipynb #59e318cd
+# %% ../../nbs/11_llm_models.ipynb #cc3164fb
 def _hub_cached(name: str, cache_dir=None) -> bool:
     "Whether this machine's Hugging Face cache holds the `config.json` of hub model `name`."
     try:
@@ -194,7 +194,7 @@ def _hub_cached(name: str, cache_dir=None) -> bool:
         return isinstance(try_to_load_from_cache(name, 'config.json', cache_dir=cache_dir), str)
     except (ImportError, ValueError): return False   # not a valid hub id
 
-# %% ../../nbs/11_llm_models.ipynb #0bc5fa52
+# %% ../../nbs/11_llm_models.ipynb #ac42978a
 def _hub_has(name: str) -> bool:
     "Whether the Hugging Face hub answers for model `name` (False when it does not know it or cannot be reached)."
     try:
@@ -203,11 +203,12 @@ def _hub_has(name: str) -> bool:
         return True
     except Exception: return False
 
-# %% ../../nbs/11_llm_models.ipynb #da610235
+# %% ../../nbs/11_llm_models.ipynb #50516ba6
 def hub_offline() -> bool:
     "Whether the Hugging Face hub may not be asked (`HF_HUB_OFFLINE` set to anything but 0/false)."
     return os.environ.get('HF_HUB_OFFLINE', '').strip().lower() not in ('', '0', 'false', 'no')
 
+# %% ../../nbs/11_llm_models.ipynb #61fc96f0
 def check_model(name: str, flag: str = '--model', cache_dir=None) -> str:
     "How `name` will be found ('packaged', 'path' or 'hub'), checked without loading it; else one `ValueError` saying what is accepted."
     spec = packaged_model(name)

@@ -219,10 +219,11 @@ class TokenLogprobs:
             top = [[int(a), float(b)] for a, b in zip(idx[i], vals[i])] if self.top else []
             self.rows[row].append({'id': int(t), 'logprob': float(chosen[i]), 'top': top})
 
-# %% ../../nbs/12_llm_transformers.ipynb #605b1a18
+# %% ../../nbs/12_llm_transformers.ipynb #00771841
 class GenerationStopped(RuntimeError):
     "The backend was closed (Ctrl-C, or the run ended) while a batch was decoding; its rows were dropped."
 
+# %% ../../nbs/12_llm_transformers.ipynb #22b0e1bb
 def decode_rows(model, ids, mask, per: int, max_new_tokens: int, end_ids: set[int], sampler=None,
                 finished=None, prefill_tokens: int = 16384, prompt_of=None, logprobs=None, between_steps=None, stop=None) -> list[list[int]]:
     "Generated ids of `per` rows per request; a row leaves the batch (and the KV cache) as soon as it ends or its request is dropped; `stop` (an Event) set ends decoding at the next step with `GenerationStopped`."
@@ -447,6 +448,19 @@ def engine_for(self:TransformersBackend, requests: list[Request]) -> str:
     if self._use_continuous and not seeded: return 'continuous'
     return 'generate' if self.requested_engine == 'generate' else 'batched'
 
+# %% ../../nbs/12_llm_transformers.ipynb #13b8da1a
+@patch
+def _dropper(self:TransformersBackend, batch: list[_Job]):
+    "The `between_steps` of a batch: it keeps `decoding_rows` current and names the jobs whose callers have left."
+    def between_steps(active):
+        gone = {i for i, j in enumerate(batch) if j.future.abandoned}
+        per = batch[0].n if batch[0].request.temperature > 0 else 1
+        left = [row for row in active if row // per not in gone]
+        self.stats['rows_dropped'] += len(active) - len(left)
+        self.decoding_rows = len(left)
+        return gone
+    return between_steps
+
 # %% ../../nbs/12_llm_transformers.ipynb #4ba7bbc9
 _log = logging.getLogger(__name__)
 
@@ -471,19 +485,6 @@ def _run_batch(self:TransformersBackend, batch: list[_Job]):
     by = self.stats['batches_by_engine']; by[engine] = by.get(engine, 0) + 1
     self.batches_run += 1; self.sequences_run += sum(len(r) for r in res)
     return res
-
-# %% ../../nbs/12_llm_transformers.ipynb #13b8da1a
-@patch
-def _dropper(self:TransformersBackend, batch: list[_Job]):
-    "The `between_steps` of a batch: it keeps `decoding_rows` current and names the jobs whose callers have left."
-    def between_steps(active):
-        gone = {i for i, j in enumerate(batch) if j.future.abandoned}
-        per = batch[0].n if batch[0].request.temperature > 0 else 1
-        left = [row for row in active if row // per not in gone]
-        self.stats['rows_dropped'] += len(active) - len(left)
-        self.decoding_rows = len(left)
-        return gone
-    return between_steps
 
 # %% ../../nbs/12_llm_transformers.ipynb #ce469c0e
 @patch

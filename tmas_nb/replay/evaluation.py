@@ -16,21 +16,13 @@ from ..core import atomic_write_bytes, data_dir as _data_dir
 from .store import ReplayStore, load_store, available_stores, MODELS, DATASETS
 from .environment import ReplayEnv
 from .controllers import Controller, parse_controller, check_fits_store
-from .results import EvalResult
+from .results import EvalResult, bootstrap_ci
 
 # %% auto #0
-__all__ = ['PAPER_AIME24', 'TABLE_SUFFIXES', 'bootstrap_ci', 'evaluate', 'table_controllers', 'standard_grid', 'load_reference',
-           'canonical_spec', 'table_path', 'run_grid', 'write_table', 'trace_episodes']
+__all__ = ['PAPER_AIME24', 'TABLE_SUFFIXES', 'evaluate', 'table_controllers', 'standard_grid', 'load_reference', 'canonical_spec',
+           'table_path', 'run_grid', 'write_table', 'trace_episodes']
 
-# %% ../../nbs/05_replay_evaluation.ipynb #ccd715dc
-def bootstrap_ci(per_question: np.ndarray, n_boot: int = 2000, level: float = 0.95, seed: int = 0) -> tuple[float, float]:
-    "Percentile bootstrap interval of the mean of `per_question` (resampling questions)."
-    x = np.asarray(per_question, dtype=np.float64)
-    rng = np.random.default_rng(seed)
-    means = x[rng.integers(0, len(x), size=(n_boot, len(x)))].mean(axis=1)
-    lo, hi = np.quantile(means, [(1 - level) / 2, 1 - (1 - level) / 2])
-    return float(lo), float(hi)
-
+# %% ../../nbs/05_replay_evaluation.ipynb #a3fefc79
 def _episodes(controller: Controller, store: ReplayStore, seeds, progress=False):
     "(correct [S, Q] bool, costs [S, Q]) for any controller."
     from tmas_nb.replay.fast import has_fast, run_fast

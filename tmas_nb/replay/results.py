@@ -8,8 +8,10 @@ from dataclasses import dataclass, field, fields
 
 from fastcore.basics import patch
 
+import numpy as np
+
 # %% auto #0
-__all__ = ['EvalResult']
+__all__ = ['EvalResult', 'bootstrap_ci']
 
 # %% ../../nbs/05a_replay_results.ipynb #085e0bfb
 @dataclass
@@ -88,3 +90,12 @@ def keys(self:EvalResult): return self.to_dict().keys()
 def items(self:EvalResult): return self.to_dict().items()
 @patch
 def __contains__(self:EvalResult, k) -> bool: return k in self.to_dict()
+
+# %% ../../nbs/05a_replay_results.ipynb #ccd715dc
+def bootstrap_ci(per_question: np.ndarray, n_boot: int = 2000, level: float = 0.95, seed: int = 0) -> tuple[float, float]:
+    "Percentile bootstrap interval of the mean of `per_question` (resampling questions)."
+    x = np.asarray(per_question, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    means = x[rng.integers(0, len(x), size=(n_boot, len(x)))].mean(axis=1)
+    lo, hi = np.quantile(means, [(1 - level) / 2, 1 - (1 - level) / 2])
+    return float(lo), float(hi)

@@ -12,9 +12,8 @@ from fastcore.basics import patch
 from .authors_api import store_records, C_CODE
 from .child import _one_line, _ours_codes, unpack_authors_log
 from .environment import ceiling_message
-from .evaluation import bootstrap_ci
 from .fast import authors_log_kernel
-from .results import EvalResult
+from .results import EvalResult, bootstrap_ci
 from ..sandbox import limits_enforcement, redact
 
 # %% auto #0
