@@ -128,7 +128,7 @@ def test_tmas_ablation_report(recorded_runs, summaries, tmp_path):
     comp = pd.read_csv(d / 'components.csv')
     assert set(comp.variant) == {'full', '−both'} and _finite(comp, ['final_pass_at_1', 'best_pass_at_1', 'final_pass_at_1_low', 'final_pass_at_1_high'])
     both = comp.set_index('variant').loc['−both']                    # the arm against the full system, paired over the problems
-    assert both.arm == '−both (ε = 0.2)' and 0 < both.p <= both.p_holm <= 1 and math.isfinite(both['diff'])
+    assert both.arm == '−both (ε = 0)' and 0 < both.p <= both.p_holm <= 1 and math.isfinite(both['diff'])
     assert comp.set_index('variant').loc['−both', 'final_pass_at_1'] == pytest.approx(_final(summaries['tmas_no_memory']), abs=1e-6)
     missing = pd.read_csv(d / 'missing_runs.csv')
     assert set(missing.variant) == {'−experience', '−guideline'}

@@ -270,9 +270,9 @@ def read_untrusted(path: str | os.PathLike, max_bytes: int, what: str = 'file') 
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode): raise UntrustedFileError(f"{what} {path} is not a regular file; refused")
         if st.st_size > max_bytes: raise UntrustedFileError(f"{what} {path} holds {st.st_size:,} bytes, over the limit of {max_bytes:,}")
-        chunks, n = [], 0
+        chunks, n = [], 0   # the first read asks for the size fstat gave (os.read allocates what it is asked for), then 64 KiB
         while n <= max_bytes:
-            b = os.read(fd, min(1 << 20, max_bytes + 1 - n))
+            b = os.read(fd, min(st.st_size + 1 if not chunks else 1 << 16, max_bytes + 1 - n))
             if not b: break
             chunks.append(b); n += len(b)
         if n > max_bytes: raise UntrustedFileError(f"{what} {path} grew past the limit of {max_bytes:,} bytes while being read")

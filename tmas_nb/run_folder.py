@@ -56,7 +56,7 @@ def write_parquet(path, rows: list[dict], schema) -> Path:
     buf = io.BytesIO(); pq.write_table(table, buf)
     return atomic_write_bytes(path, buf.getvalue())
 
-ROWS_PER_GROUP = 2000
+ROWS_PER_GROUP = 1000
 "Rows `ParquetRows` holds before it writes them out as one row group."
 
 class ParquetRows:
