@@ -27,13 +27,13 @@ def engines_dir(tmp_path, monkeypatch):
 
 def test_calibrate_measures_our_engines_and_saves_the_table(engines_dir):
     "A real, short calibration of the in-process engines: positive tokens/s at each width, saved with the machine."
-    cal = calibrate('default', threads=1, widths=(1, 4), max_new_tokens=6, engines=['transformers', 'transformers-int8'],
+    cal = calibrate('smollm2', threads=1, widths=(1, 4), max_new_tokens=6, engines=['transformers', 'transformers-int8'],
                     progress=False)
     assert set(cal['tokens_per_s']) == {'transformers', 'transformers-int8'}
     assert all(set(row) == {'1', '4'} and all(v > 0 for v in row.values()) for row in cal['tokens_per_s'].values())
-    assert read_calibration('default', 1) == cal and calibration_path('default', 1).parent == engines_dir
+    assert read_calibration('smollm2', 1) == cal and calibration_path('smollm2', 1).parent == engines_dir
     assert cal['machine'] == machine_fingerprint() and cal['threads'] == 1
-    c = choose_engine('default', 4, 1, device='cpu')       # the faster of the two measured engines, and why
+    c = choose_engine('smollm2', 4, 1, device='cpu')       # the faster of the two measured engines, and why
     faster = max(cal['tokens_per_s'], key=lambda e: cal['tokens_per_s'][e]['4'])
     assert c.engine == faster and c.backend == 'transformers' and 'not measured: llama.cpp' in c.reason
     assert (c.kwargs.get('quantize') == 'int8') == (faster == 'transformers-int8')
@@ -44,7 +44,7 @@ def test_int8_engine_keeps_seeds_exact():
     llm = load_llm('default', num_threads=1, quantize='int8')
     try:
         assert llm.model_id == 'qwen2.5-coder-0.5b+int8'      # its call-cache entries never mix with float32's
-        alone, together = alone_and_together(llm)
+        alone, together = alone_and_together(llm, k=2, others=6)
         assert alone == together, list(zip(alone, together))
         assert len(set(alone)) == len(alone)
         [[g]] = llm.generate_sync([Request.from_prompt('What is 6 times 7? Reply with the number only.', temperature=0.0,

@@ -191,17 +191,17 @@ def test_rse_distils_through_a_real_server_with_the_context_it_serves(tmp_path):
     from tmas_nb.llm.openai_backend import served_context_length
     from tmas_nb.methods import distill_whole
     from tmas_nb.runs import layer_settings
-    srv = Server(free_port(), tmp_path, flags=())
+    srv = Server(free_port(), tmp_path, flags=('--max-model-len', '2048'))   # the smallest served context RSE takes: a short trajectory overflows it
     try:
         srv.wait_ready()
-        assert httpx.get(srv.url + '/models').json()['data'][0]['max_model_len'] == 8192      # as vLLM reports it
-        assert served_context_length(srv.url) == (8192, 'max_model_len of GET /v1/models')
+        assert httpx.get(srv.url + '/models').json()['data'][0]['max_model_len'] == 2048      # as vLLM reports it
+        assert served_context_length(srv.url) == (2048, 'max_model_len of GET /v1/models')
         cfg, rec = layer_settings('rse', flags={'n_candidates': 1, 'iterations': 2, 'max_new_tokens': 8, 'memory_retries': 0}, model='smollm2',
                                   backend='openai', base_url=srv.url)
-        assert (cfg.distill_context, rec['distill_context_source']) == (8192, 'max_model_len of GET /v1/models')
-        # about 9K tokens of reasoning: more than the 8K the server holds, less than the 32K assumed before
-        reasoning = ''.join(f'step {i}: the partial sum is now {3 * i} and we add three again.\n' for i in range(420))
-        long = Completion.from_raw('<think>' + reasoning + '</think>So the answer is \\boxed{2100}.')
+        assert (cfg.distill_context, rec['distill_context_source']) == (2048, 'max_model_len of GET /v1/models')
+        # about 2.8K tokens of reasoning: more than the 2K the server holds, far less than the 32K assumed without asking it
+        reasoning = ''.join(f'step {i}: the partial sum is now {3 * i} and we add three again.\n' for i in range(140))
+        long = Completion.from_raw('<think>' + reasoning + '</think>So the answer is \\boxed{420}.')
         llm = load_llm('smollm2', 'openai', base_url=srv.url)
         u = asyncio.run(distill_whole(llm, AgentContext(cfg.sampling(), 'p', 'Add threes.', 0), long, 0, cfg))
         assert u.parts >= 2 and u.attempts >= u.parts          # every part was answered: none over the served context

@@ -1,4 +1,6 @@
 """Smoke-run the TMAS / RSE report notebooks (papermill) on small runs recorded with the real tiny model, and check what they write."""
+import contextlib
+import io
 import json
 import math
 import os
@@ -66,12 +68,13 @@ def recorded_runs(recorded_all):
 
 @pytest.fixture(scope='session')
 def summaries(recorded_runs):
-    "`tmas runs summary --json` of each recorded run."
+    "`tmas runs summary --json` of each recorded run (the command line's own `main`, in this process)."
+    from tmas_nb.cli import main
     out = {}
     for name, d in recorded_runs.items():
-        r = subprocess.run(_tmas_command() + ['runs', 'summary', str(d), '--json'], capture_output=True, text=True, timeout=120)
-        assert r.returncode == 0, r.stderr
-        out[name] = json.loads(r.stdout)
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf): assert main(['runs', 'summary', str(d), '--json']) == 0
+        out[name] = json.loads(buf.getvalue())
         assert out[name]['complete'] is True
     return out
 

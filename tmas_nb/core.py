@@ -224,7 +224,8 @@ def folder_lock(folder, what: str = 'run folder'):
         _HELD.pop(key, None); os.close(fd)
 
 # %% ../nbs/00_core.ipynb #781aed45
-HEAVY_MODULES = ('torch', 'transformers', 'trl', 'sentence_transformers', 'accelerate', 'peft', 'datasets', 'math_verify', 'sympy', 'huggingface_hub')
+HEAVY_MODULES = ('torch', 'transformers', 'trl', 'sentence_transformers', 'accelerate', 'peft', 'datasets', 'math_verify', 'sympy', 'huggingface_hub',
+                 'scipy.stats', 'statsmodels', 'seaborn')
 "The optional dependencies that are imported only on first use (through `lazy_import`)."
 
 
@@ -249,7 +250,7 @@ class _LazyModule(types.ModuleType):
 # %% ../nbs/00_core.ipynb #6cafc3a4
 def lazy_import(name: str) -> types.ModuleType:
     "Module `name` (one of `HEAVY_MODULES`, or a submodule of one), imported when an attribute is first read."
-    if name.split('.')[0] not in HEAVY_MODULES:
+    if not any(name == h or name.startswith(h + '.') for h in HEAVY_MODULES):
         raise ValueError(f"lazy_import is for the heavy optional modules {HEAVY_MODULES}; import {name!r} at the top of the module")
     if name in sys.modules: return sys.modules[name]
     return _LazyModule(name)

@@ -13,15 +13,14 @@ import numpy as np
 import pandas as pd
 from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 
-import seaborn as sns
-
 from .cli import UserError, error_message
-from .core import repo_root, find_data_dir, DATA_HINT
+from .core import repo_root, find_data_dir, DATA_HINT, lazy_import
 from .stats import bootstrap_interval
 import difflib
+sns = lazy_import('seaborn')   # seaborn imports scipy.stats (1 s): a figure needs it, a command that only prints does not
 
 # %% auto #0
-__all__ = ['PATH_PARAMETERS', 'REPORT_INPUTS', 'FIGURE_DPI', 'STYLE', 'reports_dir', 'list_reports', 'resolve_paths',
+__all__ = ['sns', 'PATH_PARAMETERS', 'REPORT_INPUTS', 'FIGURE_DPI', 'STYLE', 'reports_dir', 'list_reports', 'resolve_paths',
            'report_kernel', 'run_report', 'report_defaults', 'missing_input', 'report_cli', 'report_parameters',
            'check_parameters', 'use_style', 'figure_style', 'save_figure', 'iteration_ticks', 'interval_label',
            'format_p', 'stats_table', 'interval_curves', 'json_rows', 'runs_curve', 'plain_ticks', 'footnote']

@@ -9,19 +9,20 @@ from typing import Sequence
 
 import numpy as np
 import pandas as pd
-from scipy import stats as sps
-from statsmodels.stats.contingency_tables import mcnemar
-from statsmodels.stats.multitest import multipletests
-from statsmodels.stats.power import TTestPower
+from .core import lazy_import
+sps = lazy_import('scipy.stats')   # SciPy's and statsmodels' statistics take 1.4 s to import; `tmas run` starts without them
+sm_tables = lazy_import('statsmodels.stats.contingency_tables')
+sm_multitest = lazy_import('statsmodels.stats.multitest')
+sm_power = lazy_import('statsmodels.stats.power')
 
 from .run_folder import carry_forward, judge_columns
 
 # %% auto #0
-__all__ = ['CONFIDENCE', 'N_BOOT', 'PERMUTATIONS', 'EXACT_FLIPS', 'problem_rates', 'bootstrap_interval', 'mean_interval',
-           'pass_at_1_intervals', 'pooled_rates', 'simulate_coverage', 'sign_flip_p', 'paired_difference',
-           'mcnemar_exact', 'compare_paired', 'holm', 'add_holm', 'welch', 'group_difference',
-           'significance_vs_baseline', 'runs_comparison', 'detectable_difference', 'power_sentence', 'interval_note',
-           'p_value_note']
+__all__ = ['sps', 'sm_tables', 'sm_multitest', 'sm_power', 'CONFIDENCE', 'N_BOOT', 'PERMUTATIONS', 'EXACT_FLIPS', 'problem_rates',
+           'bootstrap_interval', 'mean_interval', 'pass_at_1_intervals', 'pooled_rates', 'simulate_coverage',
+           'sign_flip_p', 'paired_difference', 'mcnemar_exact', 'compare_paired', 'holm', 'add_holm', 'welch',
+           'group_difference', 'significance_vs_baseline', 'runs_comparison', 'detectable_difference', 'power_sentence',
+           'interval_note', 'p_value_note']
 
 # %% ../nbs/30a_stats.ipynb #3c20a999
 CONFIDENCE = 0.95
@@ -147,7 +148,7 @@ def mcnemar_exact(a, b, level: float = CONFIDENCE, n_boot: int = N_BOOT, seed: i
     a, b = np.asarray(a, dtype=bool), np.asarray(b, dtype=bool)
     if a.shape != b.shape: raise ValueError(f"McNemar's test needs one answer per problem for both methods (got {len(a)} and {len(b)})")
     a_only, b_only = int((a & ~b).sum()), int((~a & b).sum())
-    p = float(mcnemar([[int((a & b).sum()), a_only], [b_only, int((~a & ~b).sum())]], exact=True).pvalue) if a_only + b_only else 1.0
+    p = float(sm_tables.mcnemar([[int((a & b).sum()), a_only], [b_only, int((~a & ~b).sum())]], exact=True).pvalue) if a_only + b_only else 1.0
     lo, hi = bootstrap_interval(a.astype(float) - b.astype(float), level, n_boot, seed)
     return {'diff': float(a.mean() - b.mean()) if len(a) else float('nan'), 'diff_low': lo, 'diff_high': hi, 'p': p,
             'problems': int(len(a)), 'a_only': a_only, 'b_only': b_only, 'test': "McNemar's exact test (one answer per problem)"}
@@ -166,7 +167,7 @@ def holm(pvalues) -> np.ndarray:
     p = np.asarray(pvalues, dtype=np.float64)
     out = np.full(p.shape, np.nan)
     ok = np.isfinite(p)
-    if ok.any(): out[ok] = multipletests(p[ok], method='holm')[1]
+    if ok.any(): out[ok] = sm_multitest.multipletests(p[ok], method='holm')[1]
     return out
 
 # %% ../nbs/30a_stats.ipynb #70f04fbe
@@ -228,7 +229,7 @@ def detectable_difference(problems: int, candidates: int, rates=0.5, alpha: floa
     r = np.clip(np.atleast_1d(np.asarray(rates, dtype=np.float64)), 0.0, 1.0)
     within = float(np.mean(r * (1 - r)))                  # a candidate's binomial variance, averaged over problems
     if problems < 2 or candidates < 1 or within == 0: return float('nan')
-    effect = TTestPower().solve_power(effect_size=None, nobs=problems, alpha=alpha, power=power, alternative='two-sided')
+    effect = sm_power.TTestPower().solve_power(effect_size=None, nobs=problems, alpha=alpha, power=power, alternative='two-sided')
     return float(effect * math.sqrt(2 * within / candidates))
 
 # %% ../nbs/30a_stats.ipynb #251be6ca

@@ -60,6 +60,9 @@ class ServerLimits(HTTPLimits):
         cfg = getattr(getattr(llm, 'model', None), 'config', None)
         found = dict(context=getattr(cfg, 'max_position_embeddings', None), vocab_size=getattr(cfg, 'vocab_size', None),
                      longest_token_chars=longest_token_chars(getattr(llm, 'tokenizer', None)))
+        ctx, own = given.get('context'), found['context']
+        if ctx is not None and own and isinstance(ctx, int) and ctx > own:     # a served context below the model's own only
+            raise ValueError(f"ServerLimits.context: {ctx} is more than the model's context of {own} tokens")
         return cls(**{k: v for k, v in {**found, **given}.items() if v is not None})
 
 # %% ../../nbs/15_llm_server.ipynb #5377b380
@@ -561,12 +564,12 @@ def cpu_sizes(tokens_per_s: dict, budget_s: float = REQUEST_BUDGET_S, default_ma
     return out
 
 # %% ../../nbs/15_llm_server.ipynb #c8378966
-_FLAGS = {'max_n': '--max-n', 'max_tokens': '--max-tokens', 'default_max_tokens': '--default-max-tokens'}
+_FLAGS = {'max_n': '--max-n', 'max_tokens': '--max-tokens', 'default_max_tokens': '--default-max-tokens', 'context': '--max-model-len'}
 
 def _limits_from_args(args, llm: LLM | None = None, measured: dict | None = None) -> ServerLimits:
     "The `ServerLimits` of the command line (with the model's context and vocabulary once `llm` is loaded, and `measured` sizes for what the flags left out)."
     given = dict(max_n=args.max_n, max_tokens=args.max_tokens, default_max_tokens=args.default_max_tokens,
-                 **http_limits_from_args(args))
+                 context=getattr(args, 'max_model_len', None), **http_limits_from_args(args))
     given = {**(measured or {}), **{k: v for k, v in given.items() if v is not None}}
     try: return ServerLimits.for_model(llm, **given)
     except ValueError as e:
@@ -661,6 +664,9 @@ def serve_cli(p) -> None:
     p.add_argument('--max-tokens', dest='max_tokens', type=int, default=None,
                    help="refuse (400) requests for more new tokens than this (default: the model's context)")
     deprecated_alias(p, '--max-tokens-limit', '--max-tokens', 'max_tokens', type=int)
+    p.add_argument('--max-model-len', type=int, default=None,
+                   help="serve this many tokens of context (prompt + new tokens), at most the model's own; GET /v1/models "
+                        "reports it as max_model_len, as vLLM's flag of this name does (default: the model's context)")
     p.add_argument('--default-max-tokens', type=int, default=None,
                    help=f'max_tokens when a request does not say (default: on a CPU, what one sample decodes in about '
                         f'{REQUEST_BUDGET_S / 2:g} s, measured at start, 64 to 512; else {d.default_max_tokens})')
