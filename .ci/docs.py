@@ -3,8 +3,9 @@
     python .ci/docs.py                   build _docs/ strictly: a broken link, a missing page or picture, a module
                                          that does not import, any Sphinx warning fails the build (exit 1)
     python .ci/docs.py --serve [PORT]    build, then serve _docs/ at http://127.0.0.1:PORT/ (default 8000)
-    python .ci/docs.py --pages nbs/index.ipynb nbs/guides/03_replay.ipynb ... --out DIR
-                                         only these pages, not strictly (links to the other pages go to the repository)
+    python .ci/docs.py --pages nbs/guides/03_replay.ipynb ... --out DIR
+                                         only these pages and the home page, not strictly (links to the other pages
+                                         go to the repository)
 
 The pages: nbs/index.ipynb (the home page; the README is generated from it too), the guides (nbs/guides/), one page
 per module notebook with the API reference of what it exports (nbdev's `show_doc`, rendered here, below each export
@@ -256,6 +257,10 @@ def main(argv) -> int:
     ap.add_argument('--out', type=Path, default=OUT, help='the site folder (default _docs/)')
     a = ap.parse_args(argv)
     pages = [p.resolve() for p in a.pages] if a.pages else all_pages()
+    missing = [p for p in pages if not p.is_file()]
+    if missing: ap.error(f"no such notebook: {', '.join(map(str, missing))}")
+    home = ROOT / 'nbs' / 'index.ipynb'              # the site's home page holds the table of contents: always built
+    if home not in pages: pages.insert(0, home)
     rc = build(pages, a.out.resolve(), strict=not a.pages)
     if rc == 0 and a.serve: serve(a.out.resolve(), a.serve)
     return rc

@@ -136,6 +136,7 @@ FLAGS = {
     '--max-batch-size': ('sequences decoded together', {'serve'}), '--max-n': ('most samples per request', {'serve'}),
     '--max-tokens': ('most new tokens per request', {'serve'}),
     '--default-max-tokens': ('max_tokens of a request that gives none', {'serve'}),
+    '--max-model-len': ('the context a server serves (prompt + new tokens), at most the model\'s', {'serve'}),
     '--max-body-mb': ('largest request body', {'serve', 'gateway'}), '--max-queue': ('requests queued at once', {'serve', 'gateway'}),
     '--shutdown-timeout': ('grace period on SIGTERM', {'serve', 'gateway'}),
     '--max-messages': ('most chat messages per request', {'serve', 'gateway'}),
