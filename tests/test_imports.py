@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tmas_nb.core import HEAVY_MODULES
+from tmas_nb.core import HEAVY_MODULES, heavy_module
 
 PKG = Path(__file__).resolve().parents[1] / 'tmas_nb'
 
@@ -163,7 +163,7 @@ def test_imports_at_top():
     found, used = [], set()
     for m, p in modules().items():
         for target, names, inner in imports(m, p):
-            if not inner or any(target == h or target.startswith(h + '.') for h in HEAVY_MODULES): continue
+            if not inner or heavy_module(target): continue
             for n in names:
                 if (m, n) in ALLOWED_INNER: used.add((m, n))
                 else: found.append(f'{m}: import of {n!r} from {target!r} inside a function')

@@ -14,8 +14,8 @@ import platformdirs
 __all__ = ['DATA_HINT', 'FETCH_HINTS', 'LOCK_FILE', 'HEAVY_MODULES', 'RUN_FILE_MAX_BYTES', 'repo_root', 'user_data_dir',
            'check_data_folder', 'find_data_dir', 'data_dir', 'fetch_hint', 'file_mode', 'atomic_file',
            'atomic_write_bytes', 'atomic_write_text', 'atomic_write_json', 'sha256_file', 'json_ready', 'FolderInUse',
-           'in_use_message', 'lock_holder', 'folder_lock', 'lazy_import', 'UntrustedFileError', 'read_untrusted',
-           'read_untrusted_text', 'read_untrusted_json', 'open_untrusted', 'terminal_safe']
+           'in_use_message', 'lock_holder', 'folder_lock', 'heavy_module', 'lazy_import', 'UntrustedFileError',
+           'read_untrusted', 'read_untrusted_text', 'read_untrusted_json', 'open_untrusted', 'terminal_safe']
 
 # %% ../nbs/00_core.ipynb #e9ebc090
 DATA_HINT = ("Get the AutoTTS replay stores with `tmas data fetch autotts` (or everything public with "
@@ -247,10 +247,15 @@ class _LazyModule(types.ModuleType):
     def __dir__(self): return dir(self._load())
 
 
+# %% ../nbs/00_core.ipynb #c0a1e7b2
+def heavy_module(name: str) -> bool:
+    "Whether module `name` is one of `HEAVY_MODULES` or a submodule of one ('scipy.stats.distributions' is, 'scipy.special' is not)."
+    return any(name == h or name.startswith(h + '.') for h in HEAVY_MODULES)
+
 # %% ../nbs/00_core.ipynb #6cafc3a4
 def lazy_import(name: str) -> types.ModuleType:
     "Module `name` (one of `HEAVY_MODULES`, or a submodule of one), imported when an attribute is first read."
-    if not any(name == h or name.startswith(h + '.') for h in HEAVY_MODULES):
+    if not heavy_module(name):
         raise ValueError(f"lazy_import is for the heavy optional modules {HEAVY_MODULES}; import {name!r} at the top of the module")
     if name in sys.modules: return sys.modules[name]
     return _LazyModule(name)

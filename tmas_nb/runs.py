@@ -235,6 +235,10 @@ async def _run_in_folder(m, problems, run_dir: Path, llm, where: tuple, opts: Ru
 # %% ../nbs/24_runs.ipynb #cc31478f
 class RunInterrupted(KeyboardInterrupt):
     "Ctrl-C stopped a run after its status was saved; the message says how many calls were kept and how to resume."
+    @classmethod
+    def after(cls, kept: int) -> RunInterrupted:
+        "The interruption of a run that kept `kept` calls."
+        return cls(f"interrupted; {kept} calls kept; rerun the same command to resume")
 
 def stop_reason(e: BaseException) -> str:
     "The one line `status.json` keeps for a run that failed with `e`: the command line's message, else the error's type and first words."
@@ -248,7 +252,7 @@ def record_stop(run_dir, e: BaseException, kept: int, wall: float, before: dict,
     why = {'interrupted': f'{how}; {kept} calls kept'} if interrupted else {'failed': stop_reason(e)}
     st = write_status(run_dir, False, wall, invocations=before.get('invocations', 0) + 1, calls_kept=kept, progress=progress,
                       **({'estimate': est.to_dict()} if est else {}), **why)
-    if isinstance(e, KeyboardInterrupt): raise RunInterrupted(f"interrupted; {kept} calls kept; rerun the same command to resume") from None
+    if isinstance(e, KeyboardInterrupt): raise RunInterrupted.after(kept) from None
     return st
 
 def sync_run(coro, run_dir):
@@ -256,8 +260,7 @@ def sync_run(coro, run_dir):
     try: return run_sync(coro)
     except KeyboardInterrupt as e:
         if isinstance(e, RunInterrupted): raise
-        kept = read_status(run_dir).get('calls_kept', 0) if (Path(run_dir) / 'status.json').exists() else 0
-        raise RunInterrupted(f"interrupted; {kept} calls kept; rerun the same command to resume") from None
+        raise RunInterrupted.after(read_status(run_dir).get('calls_kept', 0)) from None
 
 # %% ../nbs/24_runs.ipynb #166c5c1a
 def context_of(model: str, backend: str = 'transformers', base_url: str | None = None,
