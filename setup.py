@@ -9,9 +9,8 @@ config = ConfigParser(delimiters=['='])
 config.read(here / 'settings.ini', encoding='utf-8')
 cfg = config['DEFAULT']
 
-licenses = {'apache2': ('Apache Software License 2.0', 'OSI Approved :: Apache Software License')}
+licenses = {'apache2': 'Apache-2.0'}   # settings.ini's licence (nbdev's name) as an SPDX expression (PEP 639)
 statuses = ['1 - Planning', '2 - Pre-Alpha', '3 - Alpha', '4 - Beta', '5 - Production/Stable']
-lic = licenses[cfg['license']]
 
 requirements = cfg.get('requirements', '').split()
 dev_requirements = cfg.get('dev_requirements', '').split()
@@ -26,12 +25,11 @@ setuptools.setup(
     author=cfg['author'],
     author_email=cfg['author_email'],
     url=cfg['git_url'],
-    license=lic[0],
+    license_expression=licenses[cfg['license']],   # no licence classifier: setuptools >= 77 refuses both together
     keywords=cfg['keywords'],
     classifiers=[
         'Development Status :: ' + statuses[int(cfg['status'])],
         'Intended Audience :: ' + cfg['audience'],
-        'License :: ' + lic[1],
         'Natural Language :: ' + cfg['language'],
         'Programming Language :: Python :: 3',
     ],

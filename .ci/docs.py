@@ -2,20 +2,23 @@
 
     python .ci/docs.py                   build _docs/ strictly: a broken link, a missing page or picture, a module
                                          that does not import, any Sphinx warning fails the build (exit 1)
-    python .ci/docs.py --serve [PORT]    build, then serve _docs/ at http://127.0.0.1:PORT/ (default 8000)
+    python .ci/docs.py --serve [PORT]    build, then serve _docs/ at http://127.0.0.1:PORT/ (default 8000, or a free
+                                         port when 8000 is taken, e.g. by the README's `tmas serve`); the port is
+                                         taken before the build, so a PORT in use fails at once
     python .ci/docs.py --pages nbs/guides/03_replay.ipynb ... --out DIR
                                          only these pages and the home page, not strictly (links to the other pages
                                          go to the repository)
 
 The pages: nbs/index.ipynb (the home page; the README is generated from it too), the guides (nbs/guides/), one page
 per module notebook with the API reference of what it exports (nbdev's `show_doc`, rendered here, below each export
-cell) and the report notebooks (reports/). Notebooks are shown with the outputs they were committed with. Cells marked
+cell; a module page leaves out the cells that only import, and moves the private helpers, `_name`, with their prose and
+tests after the public API) and the report notebooks (reports/). Notebooks are shown with the outputs they were committed with. Cells marked
 `#| hide` are left out and `#|` lines dropped, as nbdev does. A relative link is checked against the repository: to a
 page of the site it stays a link between pages, to another file of the repository it becomes a link to that file on
 the repository's web page (settings.ini's git_url), to nothing it is an error. Besides the HTML, every page is also
 written as Markdown (PAGE.html.md) and listed in llms.txt, the index for coding assistants (nbdev's convention).
 """
-import argparse, configparser, functools, http.server, importlib, inspect, os, re, shutil, subprocess, sys, time
+import argparse, ast, configparser, errno, functools, http.server, importlib, inspect, os, re, shutil, subprocess, sys, time
 from pathlib import Path
 
 import nbformat
@@ -131,6 +134,46 @@ def api_markdown(module, name: str) -> str:
 
 
 # ---------------------------------------------------------------- one page
+def import_only(code: str) -> bool:
+    "Whether a code cell does nothing but import: a module page leaves it out (the imports are in the module's source)."
+    try: body = ast.parse(code).body
+    except SyntaxError: return False
+    return bool(body) and all(isinstance(n, (ast.Import, ast.ImportFrom)) for n in body)
+
+
+def private_only(code: str) -> bool:
+    "Whether an export cell defines names and all of them are private (`_helper`): no public function, class or constant."
+    try: body = ast.parse(code).body
+    except SyntaxError: return False
+    names = []
+    for n in body:
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)): names.append(n.name)
+        elif isinstance(n, (ast.Assign, ast.AnnAssign)):
+            names += [t.id for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)]
+    return bool(names) and all(x.startswith('_') and not x.startswith('__') for x in names)
+
+
+PRIVATE_HEADING = ('## Private helpers\n\nThe module\'s own helpers, which the API above calls; each with the prose and the '
+                   'tests that stood beside it in the notebook.')
+
+
+def public_first(items: list[tuple[str, nbformat.NotebookNode]]) -> list[nbformat.NotebookNode]:
+    """The cells of a module page with each private export (its cell, the prose just before it, its tests after it) moved to
+    the end under `PRIVATE_HEADING`. `items` are (kind, cell), kind one of heading, markdown, export, private, code."""
+    main, private, unit, moving, pending = [], [], [], False, []
+    def flush():
+        (private if moving else main).extend(unit); unit.clear()
+    for kind, cell in items:
+        if kind == 'heading':            # a section's heading stays where it is; the prose before it ends the unit above
+            unit.extend(pending); pending.clear(); flush(); moving = False; main.append(cell)
+        elif kind == 'markdown': pending.append(cell)   # closing prose of the unit above, or the next export's introduction
+        elif kind in ('export', 'private'):
+            flush(); unit.extend(pending); pending.clear(); moving = kind == 'private'; unit.append(cell)
+        else: unit.extend(pending); pending.clear(); unit.append(cell)
+    unit.extend(pending); flush()
+    return main + ([nbformat.v4.new_markdown_cell(PRIVATE_HEADING)] + private if private else [])
+
+
 def stage_notebook(src: Path, links: Links, problems: list[str]) -> nbformat.NotebookNode:
     nb = nbformat.read(src, as_version=4)
     module = None
@@ -141,22 +184,25 @@ def stage_notebook(src: Path, links: Links, problems: list[str]) -> nbformat.Not
                 problems.append(f"{src.relative_to(ROOT)}: its module {m.group(1)} does not import ({type(e).__name__}: {e}); "
                                 "its API reference is missing")
                 module = False
-    cells = []
+    items = []
     for c in nb.cells:
         if c.cell_type == 'markdown':
-            c.source = links.markdown(src, c.source); cells.append(c); continue
+            c.source = links.markdown(src, c.source)
+            items.append(('heading' if re.match(r'#{1,3}\s', c.source) else 'markdown', c)); continue
         if c.cell_type != 'code': continue
         flags, code = directives(c.source)
         words = {f.split()[0].rstrip(':') for f in flags if f}
         if 'hide' in words or 'default_exp' in words or not code.strip() or 'nbdev_export(' in code: continue
+        if module is not None and import_only(code): continue
         c.source = code
         c.outputs = [o for o in c.outputs if o.get('name') != 'stderr']
-        cells.append(c)
-        if module and words & {'export', 'exports'}:
+        export = bool(words & {'export', 'exports'})
+        items.append(('private' if export and private_only(code) else 'export' if export else 'code', c))
+        if module and export:
             for name in _names(code):
-                try: cells.append(nbformat.v4.new_markdown_cell(api_markdown(module, name)))
+                try: items.append(('code', nbformat.v4.new_markdown_cell(api_markdown(module, name))))
                 except Exception as e: problems.append(f"{src.relative_to(ROOT)}: no API reference for {name} ({type(e).__name__}: {e})")
-    nb.cells = cells
+    nb.cells = public_first(items) if module is not None else [c for _, c in items]
     nb.metadata = {'language_info': {'name': 'python'}}
     return nb
 
@@ -242,17 +288,34 @@ def build(pages: list[Path], out: Path, strict: bool) -> int:
     return 0
 
 
-def serve(out: Path, port: int):
+DEFAULT_PORT = 8000
+
+
+def open_server(out: Path, port: int | None) -> http.server.ThreadingHTTPServer:
+    """An HTTP server of the folder `out` on 127.0.0.1, listening before the site is built: on `port`, else on
+    `DEFAULT_PORT` or, when something else listens there (the README's `tmas serve` does), on a free port. A `port` in
+    use is a `SystemExit` of one line that names it."""
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(out))
-    with http.server.ThreadingHTTPServer(('127.0.0.1', port), handler) as httpd:
-        print(f"serving {out} at http://127.0.0.1:{port}/ (Ctrl-C stops)")
+    for p in ([port] if port else [DEFAULT_PORT, 0]):
+        try: return http.server.ThreadingHTTPServer(('127.0.0.1', p), handler)
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE: raise
+            if port: raise SystemExit(f"docs.py: error: port {port} is taken (another server listens on 127.0.0.1:{port}); "
+                                      f"pass another (--serve {port + 1}) or --serve alone for a free one") from None
+            print(f"port {DEFAULT_PORT} is taken (the README's `tmas serve` listens there); serving on a free port", file=sys.stderr)
+
+
+def serve(httpd: http.server.ThreadingHTTPServer, out: Path):
+    with httpd:
+        print(f"serving {out} at http://127.0.0.1:{httpd.server_address[1]}/ (Ctrl-C stops)")
         try: httpd.serve_forever()
         except KeyboardInterrupt: pass
 
 
 def main(argv) -> int:
     ap = argparse.ArgumentParser(prog='python .ci/docs.py', description=__doc__.split('\n\n')[0])
-    ap.add_argument('--serve', nargs='?', const=8000, type=int, metavar='PORT', help='serve the site after building it')
+    ap.add_argument('--serve', nargs='?', const=0, default=None, type=int, metavar='PORT',
+                    help=f'serve the site after building it (default port {DEFAULT_PORT}, or a free one when it is taken)')
     ap.add_argument('--pages', nargs='+', type=Path, help='only these notebooks (not strict)')
     ap.add_argument('--out', type=Path, default=OUT, help='the site folder (default _docs/)')
     a = ap.parse_args(argv)
@@ -261,8 +324,11 @@ def main(argv) -> int:
     if missing: ap.error(f"no such notebook: {', '.join(map(str, missing))}")
     home = ROOT / 'nbs' / 'index.ipynb'              # the site's home page holds the table of contents: always built
     if home not in pages: pages.insert(0, home)
+    httpd = open_server(a.out.resolve(), a.serve) if a.serve is not None else None   # a taken port fails now, not after the build
     rc = build(pages, a.out.resolve(), strict=not a.pages)
-    if rc == 0 and a.serve: serve(a.out.resolve(), a.serve)
+    if httpd is not None:
+        if rc == 0: serve(httpd, a.out.resolve())
+        else: httpd.server_close()
     return rc
 
 

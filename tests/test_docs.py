@@ -7,8 +7,10 @@ loaded: its title, a highlighted code block, and every picture decoded (none bro
 import configparser
 import importlib.util
 import re
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import nbformat
@@ -81,6 +83,38 @@ def test_a_link_to_nothing_is_a_problem_of_the_strict_build(tmp_path):
     out = links.markdown(src, '[a](guides/02_replay.ipynb#x) [b](../settings.ini) [c](guides/nosuch.ipynb) `[d](nosuch)`')
     assert '[a](guides/02_replay.ipynb#x)' in out and '/blob/main/settings.ini)' in out and '`[d](nosuch)`' in out
     assert len(links.problems) == 1 and "'guides/nosuch.ipynb' leads to nothing" in links.problems[0]
+
+
+def test_a_module_page_hides_its_imports_and_puts_the_public_api_first():
+    "A module page opens with its public API: no cell that only imports, the private helpers (with their prose and tests) at the end."
+    d = docs_module()
+    nb = d.stage_notebook(ROOT / 'nbs' / '27_gateway.ipynb', d.Links(set()), [])
+    code = [c.source for c in nb.cells if c.cell_type == 'code']
+    assert not [c for c in code if d.import_only(c)], [c[:80] for c in code if d.import_only(c)]
+    assert code[0].startswith("CONTROLLER_PREFIX = 'controller:'"), code[0][:200]       # the first public definition
+    [cut] = [i for i, c in enumerate(nb.cells) if c.cell_type == 'markdown' and c.source.startswith('## Private helpers')]
+    before = [c.source for c in nb.cells[:cut] if c.cell_type == 'code']
+    after = [c.source for c in nb.cells[cut:] if c.cell_type == 'code']
+    assert not [c[:80] for c in before if d.private_only(c)] and after[0].startswith('def _chat_route(app):'), after[:1]
+    assert sum(c.startswith(('def ', 'class ', '@')) for c in before) >= 20                     # the public API stayed
+
+
+def test_serve_names_a_taken_port_before_the_build_and_picks_a_free_one_by_default(tmp_path, monkeypatch):
+    "`--serve PORT` on a taken port is one line at once (not an OSError after the build); `--serve` alone moves off a taken 8000."
+    d = docs_module()
+    with socket.socket() as held:
+        held.bind(('127.0.0.1', 0)); held.listen(); port = held.getsockname()[1]
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, '.ci/docs.py', '--serve', str(port), '--pages', 'nbs/index.ipynb', '--out', str(tmp_path / 'site')],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+        took = time.monotonic() - t0
+        assert r.returncode == 1 and r.stderr.strip() == (f"docs.py: error: port {port} is taken (another server listens on 127.0.0.1:{port}); "
+                                                          f"pass another (--serve {port + 1}) or --serve alone for a free one"), r.stderr[-2000:]
+        assert not (tmp_path / 'site').exists() and took < 30, took                  # nothing was built
+        monkeypatch.setattr(d, 'DEFAULT_PORT', port)
+        httpd = d.open_server(tmp_path, None)
+        try: assert httpd.server_address[1] not in (port, 0)
+        finally: httpd.server_close()
 
 
 PROBE = ("<script>window.addEventListener('load', () => { const imgs = [...document.images];"

@@ -1,6 +1,7 @@
 """`tmas data fetch` against a real web server on loopback that serves the shared data laid out like its sources
 (`<owner>/<repo>/<commit>/<path>`): clean fetch, re-fetch, corrupted file, server killed mid-download, offline,
-local copies, and a fresh machine that fetches the replay stores and runs the README's main job."""
+local copies, a fresh machine that fetches the replay stores and runs the README's main job, and a bare clone whose main job
+(`tmas report autotts_table`) fetches the stores itself on first use, or says in one line that it cannot."""
 import hashlib, json, os, socket, subprocess, sys, time
 from dataclasses import replace
 from pathlib import Path
@@ -161,6 +162,47 @@ def test_fresh_machine_fetch_then_main_job(mirror, data_root, tmp_path, monkeypa
     (home / 'autotts_replay' / 'Qwen3-8B' / 'hmmt25.json').unlink()
     assert main(['replay', 'eval', '--model', 'Qwen3-8B', '--benchmark', 'hmmt25', '--controller', 'sc:k=8']) == 2
     assert 'Get it with `tmas data fetch autotts`' in capsys.readouterr().err
+
+
+def bare_clone_env(tmp_path, mirror_url: str) -> dict:
+    "A user's shell on a bare clone: no TMAS_DATA_DIR, no ../shared/data, an empty user data folder, the mirror to fetch from."
+    env = {k: v for k, v in os.environ.items() if k not in ('TMAS_DATA_DIR', 'TMAS_DATA_HOME', 'TMAS_DATA_MIRROR')}
+    return env | {'TMAS_NO_SHARED_DATA': '1', 'XDG_DATA_HOME': str(tmp_path / 'xdg'), 'TMAS_DATA_MIRROR': mirror_url, 'OMP_NUM_THREADS': '1'}
+
+
+def test_main_job_on_a_bare_clone_fetches_the_stores_on_first_use(mirror, data_root, tmp_path, monkeypatch):
+    "The README's main command with no data folder configured fetches the 12 pinned stores (here from a mirror on loopback), says so, runs, and the next run fetches nothing."
+    from tmas_nb.reporting import fetch_on_first_use
+    home = tmp_path / 'xdg' / 'tmas_nb'
+    job = ['report', 'autotts_table', '--quiet', '--out', str(tmp_path / 'out'), '-p', 'models=["Qwen3-4B"]', '-p', 'datasets=["aime24"]',
+           '-p', 'seeds=2']                                              # the README's command, at a size for a test
+    with Server(mirror, tmp_path / 'log') as s:
+        env = bare_clone_env(tmp_path, s.url)
+        r = cli(*job, env=env, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        ds = REGISTRY['autotts']
+        assert (f"report autotts_table: no data folder is configured (TMAS_DATA_DIR is unset), so the AutoTTS replay stores are "
+                f"fetched now, once: 12 files, 30.8 MB of {ds.source} from {s.url}, each checked by sha256, into {home}") in r.stderr, r.stderr
+        assert f'report autotts_table: 12 stores verified in {home} (12 downloaded)' in r.stderr and len(s.requests()) == 12
+        assert all((home / f.path).read_bytes() == (data_root / f.path).read_bytes() for f in ds.files)
+        t = (tmp_path / 'out' / 'autotts_table' / 'autotts_table.csv').read_text()
+        assert 'Qwen3-4B' in t and 'aime24' in t
+        for k in ('TMAS_DATA_DIR', 'TMAS_DATA_HOME'): monkeypatch.delenv(k, raising=False)
+        for k in ('TMAS_NO_SHARED_DATA', 'XDG_DATA_HOME', 'TMAS_DATA_MIRROR'): monkeypatch.setenv(k, env[k])
+        assert fetch_on_first_use('autotts_table', {}) == {'data_dir': str(home)} and len(s.requests()) == 12   # the next run: found
+
+
+def test_main_job_on_a_bare_clone_without_a_network_fails_with_one_line(tmp_path):
+    "Where the stores cannot be fetched, the main command says what it was doing, then fails in one line that says what to set."
+    port = closed_port()
+    r = cli('report', 'autotts_table', '--quiet', '--out', str(tmp_path / 'out'), env=bare_clone_env(tmp_path, f'http://127.0.0.1:{port}'))
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 2, r.stderr[-3000:]
+    assert lines[0].startswith('report autotts_table: no data folder is configured (TMAS_DATA_DIR is unset)'), lines[0]
+    assert lines[1].startswith(f'tmas: error: report autotts_table needs the AutoTTS replay stores and could not fetch them '
+                               f'(cannot download http://127.0.0.1:{port}/zhengkid/AutoTTS/'), lines[1]
+    assert 'Connection refused' in lines[1] and lines[1].endswith('or TMAS_DATA_DIR to a folder that holds them'), lines[1]
+    assert files_under(tmp_path / 'xdg' / 'tmas_nb') == [] and not (tmp_path / 'out' / 'autotts_table').exists()
 
 
 def test_mirror_command_served_by_plain_http_server(data_root, tmp_path, capsys):

@@ -221,3 +221,55 @@ def test_jupyter_lab_starts_as_root_as_the_readme_prints_it(tmp_path):
         p.terminate()
         try: p.wait(timeout=20)
         except subprocess.TimeoutExpired: p.kill()
+
+
+# ---- the set-up ---------------------------------------------------------------------------------------------------
+
+FAKE_PYTHON = '''#!/bin/sh
+# stands in for the Python `.ci/setup --here` installs into: it records what it is asked to do
+echo "$*" >> "$SETUP_LOG"
+case "$*" in *torch.version.cuda*) echo "torch 2.13.0+cpu installed: the CPU build";; esac
+'''
+
+
+@pytest.mark.parametrize('index', [None, 'https://download.pytorch.org/whl/cpu'])
+def test_setup_takes_the_torch_index_from_the_environment_and_says_which_build(tmp_path, index):
+    "`.ci/setup` (its --here route, with a recording Python on PATH): torch from TORCH_INDEX_URL when set, else the default index with the CPU index named; then the build that was installed."
+    bin_ = tmp_path / 'bin'; bin_.mkdir()
+    for name, text in (('python', FAKE_PYTHON), ('chromium', '#!/bin/sh\n'), ('slirp4netns', '#!/bin/sh\n')):
+        (bin_ / name).write_text(text); (bin_ / name).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ('TORCH_INDEX_URL', 'TORCH_VERSION', 'VIRTUAL_ENV')}
+    env |= {'PATH': f"{bin_}:{os.environ['PATH']}", 'SETUP_LOG': str(tmp_path / 'log'), **({'TORCH_INDEX_URL': index} if index else {})}
+    r = subprocess.run(['bash', str(REPO / '.ci' / 'setup'), '--here'], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    asked = (tmp_path / 'log').read_text().splitlines()
+    torch = [a for a in asked if a.startswith('-m pip install -q torch==')]
+    assert torch == ['-m pip install -q torch==2.13.0' + (f' --index-url {index}' if index else '')], asked
+    assert asked.index(torch[0]) < next(i for i, a in enumerate(asked) if '-e .[dev]' in a)        # torch before the package
+    said = r.stdout.splitlines()
+    assert said[0] == (f'torch: torch==2.13.0 from {index} (TORCH_INDEX_URL)' if index else
+                       'torch: torch==2.13.0 from the default index (on Linux x86-64 PyPI\'s is the CUDA build; for the CPU '
+                       'build set TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu)'), said
+    assert said[1] == 'torch 2.13.0+cpu installed: the CPU build', said
+
+
+def test_the_readme_and_the_setup_guide_tell_a_cpu_only_user_how_to_get_the_cpu_build():
+    readme = (REPO / 'README.md').read_text(encoding='utf-8')
+    guide = json.loads((REPO / 'nbs' / 'guides' / '00_setup.ipynb').read_text())
+    guide = '\n'.join(''.join(c['source']) for c in guide['cells'])
+    for text in (readme, guide):
+        assert 'TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu bash .ci/setup' in text
+        assert '--index-url https://download.pytorch.org/whl/cpu' in text and 'CUDA build' in text
+
+
+def test_setting_up_the_package_prints_no_licence_warning(tmp_path):
+    "The package's metadata as pip builds it for `pip install -e .`: the licence is an SPDX expression, and setuptools warns about nothing licence-related."
+    for f in ('setup.py', 'settings.ini', 'README.md', 'pyproject.toml'): (tmp_path / f).write_bytes((REPO / f).read_bytes())
+    (tmp_path / 'tmas_nb').mkdir(); (tmp_path / 'tmas_nb' / '__init__.py').write_text(''); (tmp_path / 'meta').mkdir()
+    r = subprocess.run([sys.executable, '-W', 'always', '-c', 'import sys; from setuptools import build_meta as b; '
+                        'print(b.prepare_metadata_for_build_editable(sys.argv[1]))', str(tmp_path / 'meta')],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert 'licen' not in r.stderr.lower() and 'licen' not in r.stdout.lower(), (r.stdout + r.stderr)[-2000:]
+    meta = (tmp_path / 'meta' / r.stdout.strip().splitlines()[-1] / 'METADATA').read_text()
+    assert 'License-Expression: Apache-2.0' in meta and 'Classifier: License' not in meta, meta[:1500]

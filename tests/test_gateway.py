@@ -1,7 +1,7 @@
 """`tmas gateway` driven by real clients (the `openai` SDK, sync and async, streaming on and off; lm-evaluation-harness)
 in front of a real `tmas serve` of the packaged SmolLM2 on loopback. Every request is a run folder that `tmas runs summary`
 reads; a repeated request makes no upstream call; a client that leaves cancels the inner calls and a retry continues."""
-import asyncio, contextlib, io, json, os, signal, socket, subprocess, sys, time
+import asyncio, contextlib, io, json, logging, os, re, shlex, signal, socket, subprocess, sys, time
 from pathlib import Path
 
 import httpx, openai, pytest
@@ -14,6 +14,7 @@ from tmas_nb.run_folder import load_run, read_status
 from test_llm_server import Server, free_port
 
 PROBLEMS = demo_problems()
+README = Path(__file__).resolve().parents[1] / 'README.md'
 
 
 @pytest.fixture(scope='module')
@@ -165,8 +166,9 @@ def test_32_concurrent_tmas_requests_each_get_their_own_run_and_a_poison_request
     assert len({r.headers['x-tmas-run'] for r in rs}) == 32
 
 
-def test_a_client_that_leaves_cancels_the_inner_calls_and_a_retry_continues_the_run(gw, upstream):
+def test_a_client_that_leaves_cancels_the_inner_calls_and_a_retry_continues_the_run(gw, upstream, caplog):
     t, g = gw
+    caplog.set_level(logging.INFO, logger='tmas_nb.gateway')
     body = {'model': 'self-refine', 'messages': [{'role': 'user', 'content': PROBLEMS[4].question}], 'max_tokens': 4,
             'tmas': {'n_candidates': 1, 'iterations': 4}}
     seen = {d for d in os.listdir(g.out) if d.startswith('self-refine-')}
@@ -199,10 +201,65 @@ def test_a_client_that_leaves_cancels_the_inner_calls_and_a_retry_continues_the_
     mtimes = {p: p.stat().st_mtime_ns for p in done}
     r = httpx.post(f'{t.base_url}/chat/completions', json=body, timeout=300)          # the retry continues the run
     assert r.status_code == 200 and r.headers['x-tmas-run'] == name
+    assert r.json()['tmas']['resumed'] == {'attempts': st['invocations'], 'calls_kept': st['calls_kept'], 'stopped': st['interrupted']}
+    said = [m for m in caplog.messages if m.startswith(name)]                       # the gateway's log, line by line
+    assert said[0].startswith(f'{name}: starting self-refine on ') and 'cancelled after' in said[1], said
+    assert said[2].startswith(f"{name}: resuming self-refine on ") and f"the attempt before kept {st['calls_kept']} calls" in said[2], said
+    assert said[-1].startswith(f'{name}: answered after '), said
     run = load_run(g.out / name)
     assert run.complete and run.status['invocations'] == 2 and sorted(run.records.iteration.unique()) == list(range(4))
     assert all(p.stat().st_mtime_ns == m for p, m in mtimes.items())          # the finished iterations were kept, not redone
     assert upstream_counts(upstream)['requests'] - after['requests'] == 4 - len(done)
+
+
+def readme_block(lang: str, start: str) -> str:
+    "The README's fenced `lang` block of the gateway section whose first line starts with `start`."
+    text = README.read_text(encoding='utf-8').split('## Use any method from any OpenAI client', 1)[1].split('\n## ', 1)[0]
+    [block] = [b for b in re.findall(rf'```{lang}\n(.*?)```', text, re.S) if b.startswith(start) or f'\n{start}' in b]
+    return block
+
+
+def test_the_readme_gateway_snippet_completes_with_the_settings_it_gives(upstream, tmp_path):
+    """The README's `tmas gateway` line over `tmas serve`, then its Python snippet as printed (only the ports differ): the
+    client waits with the timeout and retries the README gives, the request completes, and the gateway's log shows its
+    start, progress and answer."""
+    snippet = readme_block('python', 'from openai import OpenAI')
+    assert 'timeout=' in snippet and 'max_retries=0' in snippet, snippet
+    [line] = [l for l in readme_block('bash', 'tmas serve').splitlines() if l.startswith('tmas gateway ')]
+    port = free_port()
+    argv = shlex.split(line.split('#')[0])[1:]
+    argv = [upstream.url if a == 'http://127.0.0.1:8000/v1' else str(port) if a == '8100' else str(tmp_path / 'gateway-runs')
+            if a == 'gateway-runs' else a for a in argv]
+    assert argv[:3] == ['gateway', '--upstream', upstream.url] and str(port) in argv, argv
+    log = tmp_path / 'gateway.log'
+    with open(log, 'wb') as f:
+        proc = subprocess.Popen([sys.executable, '-m', 'tmas_nb.cli', *argv, '--progress-every', '2'], stdout=f, stderr=subprocess.STDOUT)
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(f'http://127.0.0.1:{port}/health', timeout=1).status_code == 200: break
+            except httpx.HTTPError: time.sleep(0.1)
+        code = snippet.replace('127.0.0.1:8100', f'127.0.0.1:{port}')
+        r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert 'CompletionUsage(completion_tokens=' in r.stdout and "'method': 'tmas'" in r.stdout and "'resumed': None" in r.stdout, r.stdout[-2000:]
+    finally:
+        proc.terminate(); proc.wait(timeout=30)
+    said = log.read_text()
+    run = re.search(r"'run': '([^']+)'", r.stdout)[1]
+    assert f'tmas gateway: {run}: starting tmas on demo-01' in said and f'tmas gateway: {run}: answered after ' in said, said
+    assert f'tmas gateway: {run}: running ' in said, said                       # progress every 2 s while it ran
+
+
+def test_dry_run_times_a_server_that_publishes_no_speed(upstream, capsys):
+    "This server was given its sizes, so it measured nothing at start: `tmas run --dry-run` times a few short calls (1 and 4 in flight) and estimates from them."
+    assert 'tokens_per_s' not in httpx.get(upstream.url + '/models').json()['data'][0]
+    before = upstream_counts(upstream)['requests']
+    assert main(['run', '--method', 'mv', '--benchmark', 'demo', '--limit', '1', '--n-candidates', '4', '--max-new-tokens', '8',
+                 '--concurrency', '1', '--base-url', upstream.url, '--dry-run']) == 0
+    out = capsys.readouterr().out
+    assert 'wall time: about unknown' not in out and 'from short calls of 16 tokens timed now, 1 and 4 in flight)' in out, out
+    assert upstream_counts(upstream)['requests'] - before == 5
 
 
 LME_TASK = """task: tmas_demo

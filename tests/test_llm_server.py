@@ -114,6 +114,29 @@ def test_model_discovered_and_split_at_the_servers_n_limit(server):
     assert r.status_code == 400 and f'n must be at most {MAX_N}' in r.json()['error']['message']
 
 
+def test_the_dry_run_reads_the_speed_the_server_published_and_a_name_it_refuses_is_one_line(server, tmp_path, capsys):
+    """`tmas serve` measured its engine at start (these flags leave --default-max-tokens to it) and publishes the speed in
+    GET /v1/models; `tmas run --dry-run` estimates the wall time from it without a call of its own. A `--model` the server
+    refuses is one line naming what it serves, before any run folder exists."""
+    from tmas_nb.cli import main
+    card = httpx.get(server.url + '/models').json()['data'][0]
+    assert card['tokens_per_s_source'] == 'measured at start' and float(card['tokens_per_s']['1']) > 0, card
+    health = lambda: httpx.get(f'http://127.0.0.1:{server.port}/health').json()['requests']
+    before = health()
+    run = ['run', '--method', 'sampling', '--benchmark', 'demo', '--limit', '2', '--n-candidates', '2', '--max-new-tokens', '16',
+           '--base-url', server.url]
+    assert main([*run, '--model', MODEL, '--dry-run']) == 0
+    out = capsys.readouterr().out
+    assert "wall time: about " in out and "from the server's GET /v1/models (measured at start))" in out, out
+    assert health() == before                                          # nothing timed: the server's own measurement
+    assert main([*run, '--model', 'smollm', '--out', str(tmp_path / 'run')]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"tmas: error: --model smollm: the server at {server.url} serves {MODEL} and refuses this name (HTTP 404: The model "
+                   f"`smollm` does not exist; this server serves `{MODEL}`); pass --model {MODEL} (did you mean it?) or leave --model "
+                   "out to use the one it serves"), err
+    assert not (tmp_path / 'run').exists()
+
+
 def test_seeded_sampling_is_reproducible(server):
     llm = OpenAIBackend(MODEL, base_url=server.url)
     r = ask('Tell me a word.', n=2, max_new_tokens=6, temperature=1.0, seed=123)

@@ -30,9 +30,11 @@ def _calls(text: str) -> dict:
     return {m[1]: int(m[2]) for m in re.finditer(r'^\s+(\w+)\s+(\d+) calls', text, re.M)}
 
 
-def _cli(*argv) -> str:
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(io.StringIO()): assert main(list(argv)) == 0
+def _cli(*argv, log=None) -> str:
+    "The stdout of `tmas ARGV`; its stderr (the run's log) goes to the file `log` when given."
+    buf, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(err): assert main(list(argv)) == 0
+    if log is not None: log.write_text(err.getvalue())
     return buf.getvalue()
 
 
@@ -46,7 +48,8 @@ def measured(tmp_path_factory, data_root):
     try:
         dry = _cli('run', *ARGS, '--config', str(root / 'settings.json'), '--dry-run')
         assert not (root / 'run').exists()
-        _cli('run', *ARGS, '--config', str(root / 'settings.json'), '--out', str(root / 'run'), '--quiet')
+        _cli('run', *ARGS, '--config', str(root / 'settings.json'), '--out', str(root / 'run'), '--progress-every', '3600',
+             log=root / 'run.log')
     finally: mp.undo()
     return dry, root / 'run'
 
@@ -98,6 +101,17 @@ def test_summary_says_wall_engine_cut_share_and_warns(measured):
     assert j['truncated_by_role']['solution'] == {'truncated': 2, 'samples': 2, 'share': 1.0}
     assert j['engine'] == 'transformers' and j['wall_s'] > 0 and len(j['warnings']) >= 1
     assert [len(a['answers']) for a in j['answers'].values()] == [2]
+    # each role's warning says what a cut output of that role costs: only the solutions' has no answer
+    assert 'warning: 100% of the verification outputs (2/2)' in text and 'a cut review gives no score' in text, text
+    assert 'a cut summary reaches the next iteration unfinished' in text and text.count('has no answer') == 1, text
+
+
+def test_the_run_log_names_its_engine_once(measured):
+    "The log of the measured run says which engine `--backend auto` took in one line, in the estimate's words."
+    _, run = measured
+    log = (run.parent / 'run.log').read_text()
+    said = [l.strip() for l in log.splitlines() if 'engine:' in l]
+    assert len(said) == 1 and said[0].startswith('engine: ours float32, as --backend auto chooses: the engines were not measured'), log[:3000]
 
 
 def test_runs_list_finds_every_run(measured, tmp_path):

@@ -9,14 +9,16 @@ from dataclasses import dataclass, field, asdict
 
 from .llm.core import Request, run_sync
 from .llm.engines import (CPU_ENGINES, ENGINE_NAMES, SOLVE_PROMPT, choose_engine, default_threads, engine_llm,
-                                 read_calibration, run_width, throughput_at)
+                                 measure_throughput, read_calibration, run_width, throughput_at)
 from .llm.models import default_device
+from .llm.openai_backend import OpenAIBackend, served_models
 from .stats import power_sentence
 
 # %% auto #0
-__all__ = ['TOKEN_SHARE', 'PROMPT_BASE', 'README_SPEEDS', 'PREFILL_RATIO', 'iteration_phases', 'n_iterations', 'planned_calls',
-           'expected_tokens', 'prompt_tokens', 'split_speeds', 'quick_speed', 'candidates_compared', 'RunEstimate',
-           'phase_seconds', 'speed_of', 'estimate_run', 'fmt_seconds', 'estimate_lines', 'calibration_hint']
+__all__ = ['TOKEN_SHARE', 'PROMPT_BASE', 'README_SPEEDS', 'PREFILL_RATIO', 'SERVED_PROBE_TOKENS', 'iteration_phases',
+           'n_iterations', 'planned_calls', 'expected_tokens', 'prompt_tokens', 'split_speeds', 'quick_speed',
+           'candidates_compared', 'RunEstimate', 'phase_seconds', 'speed_of', 'served_speed', 'estimate_run',
+           'fmt_seconds', 'engine_name', 'engine_line', 'estimate_lines', 'calibration_hint']
 
 # %% ../nbs/24d_estimates.ipynb #d688af1c
 def iteration_phases(method: str, config, iteration: int) -> list[tuple[str, int, int, bool]]:
@@ -157,23 +159,48 @@ def speed_of(model: str, engine: str, threads: int | None, measure: bool = False
         return speeds, 'a quick measurement here (a few seconds; `tmas engines calibrate` measures properly)', load
     return dict(README_SPEEDS[engine]), "the engines table of the guide 'Servers and scale' (an idle two-core CPU; `tmas engines calibrate` measures this machine)", 3.0
 
+# %% ../nbs/24d_estimates.ipynb #a281651c
+SERVED_PROBE_TOKENS = 16
+"New tokens of each short call `served_speed` times."
+
+def served_speed(base_url: str, model: str | None = None, api_key: str | None = None, width: int = 8,
+                 measure: bool = True) -> tuple[dict | None, str]:
+    "({requests in flight: tokens/s}, where it comes from) of the model served at `base_url`: what `GET /v1/models` publishes, else short calls timed now (`measure`) at 1 and `width` in flight; (None, why) when neither."
+    entries = served_models(base_url, api_key)
+    if entries is None: return None, f"the server at {base_url} did not answer GET /v1/models"
+    card = next((m for m in entries if m['id'] == model), entries[0] if len(entries) == 1 else {})
+    table = card.get('tokens_per_s')
+    if isinstance(table, dict) and table:
+        try: return {int(w): float(v) for w, v in table.items()}, f"the server's GET /v1/models ({card.get('tokens_per_s_source') or 'its own measurement'})"
+        except (TypeError, ValueError): pass
+    if not measure: return None, "the server publishes no speed (`tmas serve` does; --dry-run times a few short calls)"
+    widths = sorted({1, max(1, min(int(width), 32))})
+    llm = OpenAIBackend(model, base_url=base_url, api_key=api_key, max_concurrency=widths[-1])
+    try: table = measure_throughput(llm, widths, max_new_tokens=SERVED_PROBE_TOKENS, singles=1)
+    except Exception as e: return None, f"the server did not answer a short call ({type(e).__name__}: {' '.join(str(e).split())[:120]})"
+    finally: llm.close()
+    return ({w: round(v, 2) for w, v in table.items()},
+            f"short calls of {SERVED_PROBE_TOKENS} tokens timed now, {' and '.join(map(str, widths))} in flight")
+
 # %% ../nbs/24d_estimates.ipynb #00c1f5b7
 def estimate_run(method: str, config, n_problems: int, concurrency: int = 4, model: str = 'default', backend: str = 'auto',
-                 threads: int | None = None, measure: bool = False, rates=None) -> RunEstimate:
-    "The `RunEstimate` of a run; `measure` times the model for a few seconds when this machine has no calibration; `rates`: per-problem success rates, when known, for the detectable difference."
+                 threads: int | None = None, measure: bool = False, rates=None, speed: tuple | None = None) -> RunEstimate:
+    "The `RunEstimate` of a run; `measure` times the model for a few seconds when this machine has no calibration; `rates`: per-problem success rates, when known, for the detectable difference; `speed`: a served model's ({requests in flight: tokens/s}, where it comes from), `served_speed`."
     roles = planned_calls(method, config, n_problems)
     for role, d in roles.items():
         d['tokens_max'] = d['samples'] * d['max_new_tokens']
         d['tokens_expected'] = round(d['samples'] * expected_tokens(role, d['max_new_tokens']))
     est = RunEstimate(method, n_problems, roles, detectable=power_sentence(n_problems, candidates_compared(method, config), rates))
     if backend in ('openai', 'given'):
-        est.engine, est.speed_source = backend, "the speed of a server or of a model object is not known here"; return est
-    if backend == 'auto':
-        c = choose_engine(model, run_width(config, concurrency), threads)
-        est.engine, est.engine_reason = c.engine, c.reason
-    else: est.engine = 'transformers' if backend == 'transformers' else backend
-    table, est.speed_source, est.load_s = speed_of(model, est.engine, threads, measure and default_device() == 'cpu')
-    if table is None: return est
+        table, source = speed or (None, '')
+        est.engine, est.speed_source = backend, source or "the speed of a server or of a model object is not known here"
+    else:
+        if backend == 'auto':
+            c = choose_engine(model, run_width(config, concurrency), threads)
+            est.engine, est.engine_reason = c.engine, c.reason
+        else: est.engine = 'transformers' if backend == 'transformers' else backend
+        table, est.speed_source, est.load_s = speed_of(model, est.engine, threads, measure and default_device() == 'cpu')
+    if not table: return est
     est.tokens_per_s = table
     widths, prefill = split_speeds(table)
     est.wall_s = round(est.load_s + phase_seconds(method, config, n_problems, concurrency, lambda w: throughput_at(widths, w), prefill), 1)
@@ -184,6 +211,15 @@ def fmt_seconds(s: float | None) -> str:
     "'42 s', '3.5 min' or '2.1 h'; 'unknown' for None."
     if s is None: return 'unknown'
     return f"{s:.0f} s" if s < 90 else f"{s / 60:.1f} min" if s < 5400 else f"{s / 3600:.1f} h"
+
+# %% ../nbs/24d_estimates.ipynb #cb2ed6d8
+def engine_name(engine: str) -> str:
+    "How a log names an engine: 'ours float32', 'ours int8', 'llama.cpp', 'the server' (a served model), 'the given model'."
+    return {**ENGINE_NAMES, 'openai': 'the server', 'given': 'the given model'}.get(engine, engine)
+
+def engine_line(engine: str, reason: str) -> str:
+    "The one line of a run's log that says which engine `--backend auto` chose, and why."
+    return f"engine: {engine_name(engine)}, as --backend auto chooses: {reason}"
 
 # %% ../nbs/24d_estimates.ipynb #0e12097b
 def estimate_lines(e: RunEstimate) -> list[str]:
@@ -197,8 +233,8 @@ def estimate_lines(e: RunEstimate) -> list[str]:
     if e.detectable: out.append(f"  power: {e.detectable}")
     widths, prefill = split_speeds(e.tokens_per_s) if e.tokens_per_s else ({}, 0.0)
     speed = ', '.join(f"{v:.1f} at {w}" for w, v in sorted(widths.items())) + (f" in flight, prompts {prefill:.0f}" if widths else '')
-    out.append(f"  wall time: about {fmt_seconds(e.wall_s)}" + (f" on {ENGINE_NAMES.get(e.engine, e.engine)} ({speed} tokens/s, from {e.speed_source})" if speed else f" ({e.speed_source})"))
-    if e.engine_reason: out.append(f"  engine: {ENGINE_NAMES.get(e.engine, e.engine)}, as --backend auto chooses: {e.engine_reason}")
+    out.append(f"  wall time: about {fmt_seconds(e.wall_s)}" + (f" on {engine_name(e.engine)} ({speed} tokens/s, from {e.speed_source})" if speed else f" ({e.speed_source})"))
+    if e.engine_reason: out.append('  ' + engine_line(e.engine, e.engine_reason))
     return out
 
 # %% ../nbs/24d_estimates.ipynb #5d115932

@@ -4,7 +4,7 @@
 
 # %% ../nbs/27_gateway.ipynb #86c54921
 from __future__ import annotations
-import asyncio, hashlib, json, math, os, re, sys, threading, time, uuid, weakref
+import asyncio, hashlib, json, logging, math, os, re, sys, threading, time, uuid, weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -30,11 +30,12 @@ from .settings import setting, add_settings, resolve
 
 # %% auto #0
 __all__ = ['CONTROLLER_PREFIX', 'LISTED_CONTROLLERS', 'UNGRADED', 'SETTINGS_KEY', 'OPENAI_FIELDS', 'NOT_FROM_CLIENTS',
-           'IGNORED_FIELDS', 'GATEWAY_LIMITS', 'STREAM_PIECE', 'gateway_methods', 'parse_model_name', 'listed_models',
-           'question_of', 'problem_index', 'problem_for', 'graded', 'request_settings', 'planned_new_tokens',
-           'GatewayRequest', 'run_name', 'GatewaySettings', 'gateway_limits', 'Gateway', 'finished_run',
-           'chat_completion', 'sse', 'sse_comment', 'answer_chunks', 'progress_line', 'failure', 'EventStream',
-           'create_gateway_app', 'GatewayThread', 'open_upstream', 'gateway_cli']
+           'IGNORED_FIELDS', 'GATEWAY_LIMITS', 'GATEWAY_LOG', 'STREAM_PIECE', 'gateway_methods', 'parse_model_name',
+           'listed_models', 'question_of', 'problem_index', 'problem_for', 'graded', 'request_settings',
+           'planned_new_tokens', 'GatewayRequest', 'run_name', 'GatewaySettings', 'gateway_limits', 'log_to_stderr',
+           'Gateway', 'finished_run', 'unfinished_attempt', 'chat_completion', 'sse', 'sse_comment', 'answer_chunks',
+           'calls_done', 'progress_line', 'failure', 'EventStream', 'create_gateway_app', 'GatewayThread',
+           'open_upstream', 'gateway_cli']
 
 # %% ../nbs/27_gateway.ipynb #12e5fd43
 CONTROLLER_PREFIX = 'controller:'
@@ -166,6 +167,7 @@ class GatewayRequest:
     include_usage: bool = False
     left_out: list = field(default_factory=list)   # messages not part of the problem
     ignored: list = field(default_factory=list)    # body fields that do not reach the method
+    resumed: dict | None = None                    # what an earlier, unfinished attempt at the folder left (`Gateway.run` sets it)
 
 # %% ../nbs/27_gateway.ipynb #da552bab
 def run_name(method: str, model: str, config, problem: Problem, upstream: dict) -> str:
@@ -200,6 +202,7 @@ class GatewaySettings:
     max_total_tokens: int | None = setting(None, "refuse (400) a request whose plan may generate more new tokens than this")
     threads: int | None = setting(None, "CPU threads of a model run in this process (default: every core)")
     log_level: str = setting('warning', "uvicorn log level")
+    progress_every: float = setting(30.0, "seconds between the progress lines a running request writes to the log (stderr)")
 
     def __post_init__(self):
         for f in ('concurrency', 'port'):
@@ -208,6 +211,7 @@ class GatewaySettings:
                 raise ValueError(f"--{f.replace('_', '-')} must be an integer >= {0 if f == 'port' else 1}, got {v!r}")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise ValueError(f"--max-total-tokens must be >= 1, got {self.max_total_tokens!r}")
+        if not self.progress_every > 0: raise ValueError(f"--progress-every must be > 0 seconds, got {self.progress_every!r}")
 
 # %% ../nbs/27_gateway.ipynb #5c1e0a11
 def gateway_limits(args=None, **given) -> HTTPLimits:
@@ -216,9 +220,23 @@ def gateway_limits(args=None, **given) -> HTTPLimits:
     try: return HTTPLimits(**{**asdict(GATEWAY_LIMITS), **flags, **given})
     except ValueError as e: raise ValueError(flag_message(e)) from None
 
+# %% ../nbs/27_gateway.ipynb #46a097dc
+GATEWAY_LOG = logging.getLogger('tmas_nb.gateway')
+"The gateway's log: one line per request's start (or resumption), progress, answer, failure or cancellation."
+
+def log_to_stderr(logger: logging.Logger = GATEWAY_LOG) -> logging.Logger:
+    "`logger` at INFO on stderr, each line with the time and 'tmas gateway:' (once, however often it is called)."
+    if not any(getattr(h, '_tmas', False) for h in logger.handlers):
+        h = logging.StreamHandler(sys.stderr); h._tmas = True
+        h.setFormatter(logging.Formatter('%(asctime)s tmas gateway: %(message)s', '%H:%M:%S'))
+        logger.addHandler(h)
+    logger.setLevel(logging.INFO); logger.propagate = False
+    return logger
+
 # %% ../nbs/27_gateway.ipynb #d72643ae
 class Gateway:
     "Methods behind one upstream model: resolves requests (`plan`), runs each into its run folder (`run`) and answers (`answer`)."
+    progress_every_s: float = 30.0   # seconds between a running request's progress lines in GATEWAY_LOG (`tmas gateway --progress-every`)
     def __init__(self, llm: LLM, out, model: str, backend: str, base_url: str | None = None, preset: str | None = None,
                  role_endpoints: dict | None = None, benchmark: str | None = None, concurrency: int = 8,
                  max_total_tokens: int | None = None):
@@ -260,10 +278,19 @@ def finished_run(run_dir: Path) -> Run | None:
     run = load_run(run_dir)
     return run if run.complete else None
 
+# %% ../nbs/27_gateway.ipynb #18a426fe
+def unfinished_attempt(run_dir: Path) -> dict | None:
+    "What the earlier, unfinished attempts at `run_dir` left: {'attempts', 'calls_kept', 'stopped'}; None when no run was started there."
+    if not (run_dir / 'config.json').exists(): return None
+    st = read_status(run_dir)
+    if st.get('complete'): return None
+    stopped = st.get('interrupted') or st.get('failed') or 'stopped without a word (the process ended)'
+    return {'attempts': int(st.get('invocations', 0)), 'calls_kept': int(st.get('calls_kept', 0)), 'stopped': stopped}
+
 # %% ../nbs/27_gateway.ipynb #ec188a1c
 @patch
 async def run(self:Gateway, req: GatewayRequest) -> tuple[Run, bool]:
-    "(the run of `req`'s folder, whether it ran now): run or resumed, or read back when it had finished; one request at a time per folder."
+    "(the run of `req`'s folder, whether it ran now): run or resumed (noted in `req.resumed` and the log), or read back when it had finished; one request at a time per folder."
     lock = self._folders.get(req.name)
     if lock is None: lock = self._folders[req.name] = asyncio.Lock()
     record = {**req.record, 'gateway': {'model': req.model, 'planned_new_tokens': req.planned_tokens}}
@@ -271,7 +298,12 @@ async def run(self:Gateway, req: GatewayRequest) -> tuple[Run, bool]:
                       progress=False, record=record, progress_every=3600.0)
     async with lock:
         done = await asyncio.to_thread(finished_run, self.out / req.name)
-        if done is not None: return done, False
+        if done is not None:
+            GATEWAY_LOG.info(f"{req.name}: {req.method} on {req.problem.id}: answered from its finished run folder"); return done, False
+        req.resumed = await asyncio.to_thread(unfinished_attempt, self.out / req.name)
+        GATEWAY_LOG.info(f"{req.name}: {'resuming' if req.resumed else 'starting'} {req.method} on {req.problem.id} (at most "
+                         f"{req.planned_tokens:,} new tokens)" + (f"; the attempt before kept {req.resumed['calls_kept']} calls "
+                         f"({req.resumed['stopped']})" if req.resumed else ''))
         self.counts['running'] += 1
         try:   # start_run notes the upstream's answers (record_server) in config.json
             run = await start_run(req.method, [req.problem], req.config, self.out / req.name, model=self.model, backend=self.backend,
@@ -307,6 +339,7 @@ def answer(self:Gateway, req: GatewayRequest, run, wall_s: float, ran: bool = Tr
            'wall_s': round(wall_s, 3), 'run_wall_s': round(float(run.status.get('wall_s', 0.0)), 3),
            'upstream_samples': int(cache.get('misses', 0)), 'cached_samples': int(cache.get('hits', 0)),
            'read_back': not ran, 'planned_new_tokens': req.planned_tokens, 'settings': json_ready(req.config.to_dict())}
+    ext['resumed'] = req.resumed    # None, or what the unfinished attempt before this request had kept
     if req.left_out: ext['left_out'] = req.left_out
     if req.ignored: ext['ignored'] = req.ignored
     return content, finish, ext
@@ -341,10 +374,14 @@ def answer_chunks(req: GatewayRequest, content: str, finish: str, ext: dict, usa
     return out + [sse('[DONE]')]
 
 # %% ../nbs/27_gateway.ipynb #23f82cfb
-def progress_line(run_dir: Path, elapsed: float) -> str:
-    "The progress comment of a running request: calls done of those planned per role, from its run folder's status.json."
+def calls_done(run_dir: Path) -> str:
+    "Calls done of those planned per role ('solution 1/2, verification 0/2'), from a run folder's status.json; '' before its first write."
     p = read_status(run_dir).get('progress') or {}
-    roles = ', '.join(f"{r} {d.get('calls', 0)}/{d.get('calls_planned') or '?'}" for r, d in (p.get('roles') or {}).items())
+    return ', '.join(f"{r} {d.get('calls', 0)}/{d.get('calls_planned') or '?'}" for r, d in (p.get('roles') or {}).items())
+
+def progress_line(run_dir: Path, elapsed: float) -> str:
+    "The progress comment of a running request: its seconds and `calls_done`."
+    roles = calls_done(run_dir)
     return f"tmas running {elapsed:.0f}s" + (f": calls {roles}" if roles else '')
 
 # %% ../nbs/27_gateway.ipynb #52a499ab
@@ -367,14 +404,32 @@ def failure(e: BaseException) -> BadRequest:
 
 # %% ../nbs/27_gateway.ipynb #53df79ae
 @patch
+async def log_progress(self:Gateway, req: GatewayRequest, t0: float):
+    "Every `progress_every_s` seconds, a line in the log with how far `req` has come (until it is cancelled)."
+    while True:
+        await asyncio.sleep(self.progress_every_s)
+        roles = await asyncio.to_thread(calls_done, self.out / req.name)
+        GATEWAY_LOG.info(f"{req.name}: running {time.perf_counter() - t0:.0f}s" + (f", calls {roles}" if roles else ''))
+
+@patch
 async def respond(self:Gateway, req: GatewayRequest) -> dict:
-    "Run `req` and return its chat-completions body (a `BadRequest` carries the HTTP error of a failed run)."
+    "Run `req` and return the parts of its chat-completions body (a `BadRequest` carries the HTTP error of a failed run); its progress and its end go to the log."
     t0 = time.perf_counter()
+    ticker = asyncio.ensure_future(self.log_progress(req, t0))
+    took = lambda: f"{time.perf_counter() - t0:.0f}s"
     try: run, ran = await self.run(req)
-    except asyncio.CancelledError: self.counts['cancelled'] += 1; raise
-    except Exception as e: self.counts['failed'] += 1; raise failure(e) from e
+    except asyncio.CancelledError:
+        self.counts['cancelled'] += 1
+        GATEWAY_LOG.info(f"{req.name}: cancelled after {took()} (its client left, or the gateway is stopping); the same request resumes it")
+        raise
+    except Exception as e:
+        self.counts['failed'] += 1; err = failure(e)
+        GATEWAY_LOG.info(f"{req.name}: failed after {took()} (HTTP {err.status}): {err}"); raise err from e
+    finally: ticker.cancel()
     self.counts['completed'] += 1
     content, finish, ext = self.answer(req, run, time.perf_counter() - t0, ran)
+    if ran: GATEWAY_LOG.info(f"{req.name}: answered after {took()} ({ext['upstream_samples']} samples from the upstream, "
+                             f"{ext['cached_samples']} from the call cache)")
     return {'content': content, 'finish': finish, 'ext': ext, 'usage': _usage(run)}
 
 # %% ../nbs/27_gateway.ipynb #3bcbb554
@@ -513,9 +568,12 @@ def _gateway_command(args) -> int:
     try:
         llm, model, backend, base_url = open_upstream(s)
         gw = Gateway(llm, s.out, model, backend, base_url, s.preset, endpoints, s.benchmark, s.concurrency, s.max_total_tokens)
+        gw.progress_every_s = s.progress_every
     except BaseException: sock.close(); raise
     print(f"tmas gateway: {len(listed_models())} methods over {model} ({backend}{' at ' + base_url if base_url else ''}) at "
-          f"http://{s.host}:{s.port}/v1; run folders in {gw.out}", file=sys.stderr, flush=True)
+          f"http://{s.host}:{s.port}/v1; run folders in {gw.out}; each request's start, progress (every {s.progress_every:g} s) "
+          "and end are logged here", file=sys.stderr, flush=True)
+    log_to_stderr()
     app = create_gateway_app(gw, limits, api_key, loopback_only=is_loopback(s.host) and not api_key)
     try: _uvicorn_server(app, s.log_level).run(sockets=[sock])
     finally:

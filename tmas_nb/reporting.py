@@ -14,16 +14,18 @@ import pandas as pd
 from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 
 from .cli import UserError, error_message
-from .core import repo_root, find_data_dir, DATA_HINT, lazy_import
+from .core import repo_root, find_data_dir, user_data_dir, DATA_HINT, lazy_import
+from .fetch import REGISTRY, RAW_BASE, DataFetchError, Downloader, fetch
 from .stats import bootstrap_interval
 import difflib
 sns = lazy_import('seaborn')   # seaborn imports scipy.stats (1 s): a figure needs it, a command that only prints does not
 
 # %% auto #0
 __all__ = ['sns', 'PATH_PARAMETERS', 'REPORT_INPUTS', 'FIGURE_DPI', 'STYLE', 'reports_dir', 'list_reports', 'resolve_paths',
-           'report_kernel', 'run_report', 'report_defaults', 'missing_input', 'report_cli', 'report_parameters',
-           'check_parameters', 'use_style', 'figure_style', 'save_figure', 'iteration_ticks', 'interval_label',
-           'format_p', 'stats_table', 'interval_curves', 'json_rows', 'runs_curve', 'plain_ticks', 'footnote']
+           'report_kernel', 'run_report', 'report_defaults', 'missing_input', 'fetch_on_first_use', 'report_cli',
+           'report_parameters', 'check_parameters', 'use_style', 'figure_style', 'save_figure', 'iteration_ticks',
+           'interval_label', 'format_p', 'stats_table', 'interval_curves', 'json_rows', 'runs_curve', 'plain_ticks',
+           'footnote']
 
 # %% ../nbs/90_reporting.ipynb #55f9aab8
 def reports_dir() -> Path:
@@ -150,6 +152,27 @@ def missing_input(name: str, parameters: dict | None = None) -> str | None:
             return f"needs {want} (runs={runs!r} matched {len(found)} run folder(s)); make one with `{make}`"
     return None
 
+# %% ../nbs/90_reporting.ipynb #768f1c8d
+def fetch_on_first_use(name: str, parameters: dict) -> dict:
+    "`parameters` of report `name`; for a report of the replay stores run with no data folder configured, with `data_dir` the user data folder, where the pinned stores were fetched (saying so on stderr) if they were not there yet."
+    if REPORT_INPUTS.get(name, ('',))[0] != 'data' or parameters.get('data_dir') or os.environ.get('TMAS_DATA_DIR'): return parameters
+    home, found = user_data_dir(), find_data_dir()
+    if found is not None and found.resolve() != home.resolve(): return parameters    # a folder of its own (../shared/data)
+    ds = REGISTRY['autotts']
+    if not all((home / f.path).is_file() for f in ds.files):
+        base = os.environ.get('TMAS_DATA_MIRROR') or RAW_BASE
+        print(f"report {name}: no data folder is configured (TMAS_DATA_DIR is unset), so the AutoTTS replay stores are fetched now, "
+              f"once: {len(ds.files)} files, {ds.size / 1e6:.1f} MB of {ds.source} from {base}, each checked by sha256, into {home}",
+              file=sys.stderr, flush=True)
+        try: got = fetch(['autotts'], home, downloader=Downloader(retries=2))['autotts']   # retries after no progress; a rerun resumes
+        except DataFetchError as e:
+            why = str(e).split('. Check the network')[0]
+            raise DataFetchError(f"report {name} needs the AutoTTS replay stores and could not fetch them ({why}); check the network, "
+                                 "or set TMAS_DATA_MIRROR to a mirror (`tmas data mirror`), or TMAS_DATA_DIR to a folder that holds them") from None
+        print(f"report {name}: {len(ds.files)} stores verified in {home} ({sum(v == 'downloaded' for v in got.values())} downloaded)",
+              file=sys.stderr, flush=True)
+    return {**parameters, 'data_dir': str(home)}
+
 # %% ../nbs/90_reporting.ipynb #1b10847f
 def _parse_value(v: str):
     "A `-p` value: papermill's reading (True/False/None/int/float/str), and JSON for lists, objects and quoted strings."
@@ -176,6 +199,7 @@ def _cmd_report(args) -> int:
     out = Path(args.out).resolve() if args.out else repo_root() / 'reports' / 'out'
     if args.name != 'all':
         if args.name in list_reports(): check_parameters(args.name, params)
+        params = fetch_on_first_use(args.name, params)   # a fresh clone: the replay stores, fetched once
         if args.name in list_reports() and (lack := missing_input(args.name, params)):
             raise FileNotFoundError(f"report {args.name} {lack}")
         t = time.perf_counter()

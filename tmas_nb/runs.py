@@ -4,7 +4,7 @@
 
 # %% ../nbs/24_runs.ipynb #7255e444
 from __future__ import annotations
-import argparse, dataclasses, json, os, sys, time
+import argparse, dataclasses, difflib, json, os, sys, time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,11 +17,12 @@ from .llm.cache import CachedLLM, open_cache_db
 from .llm.core import engine_stats, run_sync
 from .llm.engines import choose_engine, run_width
 from .llm.models import resolve_model
-from .llm.openai_backend import OpenAIBackend, served_context_length
+from .llm.openai_backend import OpenAIBackend, served_context_length, served_models, model_refusal
 from .llm.roles import RoleRouter
 from .llm.loading import load_llm
 from .methods import DISTILL_CONTEXT, METHODS, MethodConfig, make_method, run_method
-from .estimates import RunEstimate, calibration_hint, estimate_lines, estimate_run, fmt_seconds, planned_calls
+from .estimates import (RunEstimate, calibration_hint, engine_line, estimate_lines, estimate_run, fmt_seconds, planned_calls,
+                               served_speed)
 from .progress import RunProgress
 from .presets import PAPER_TOKEN_BUDGET, PRESETS, PROTOCOLS, OWN_PAPER, JUDGE_HINT, RSE_SAMPLINGS, preset_values, paper_table
 from .settings import ModelSettings, OutputSettings, add_settings, read_json, resolve
@@ -35,15 +36,15 @@ from .cli import error_message
 from asyncio import CancelledError
 
 # %% auto #0
-__all__ = ['METHOD_ROLES', 'ARM_SOURCES', 'STRUCTURE', 'ENDPOINT_ROLES', 'LONG_CPU_RUN_S', 'RUNS_FILE', 'CUT_WARNING',
+__all__ = ['METHOD_ROLES', 'ARM_SOURCES', 'STRUCTURE', 'ENDPOINT_ROLES', 'LONG_CPU_RUN_S', 'RUNS_FILE', 'CUT_WARNING', 'CUT_COST',
            'PRESET_HELP', 'record_server', 'resolve_auto_backend', 'check_run_files', 'RunOptions', 'sampling_by_role',
            'run_record', 'start_run', 'RunInterrupted', 'stop_reason', 'record_stop', 'sync_run', 'context_of',
            'model_context_length', 'cap_to_context', 'layer_settings', 'distiller_context', 'tmas_arm',
            'paper_differences', 'custom_line', 'protocol_of', 'protocol_name', 'parse_role_endpoint',
-           'parse_role_endpoints', 'RunPlan', 'plan_run', 'check_run_model', 'check_long_run', 'summary_line',
-           'run_independent', 'run_folders', 'independent_runs', 'pass_at_1_by_run', 'distillation_parts', 'run_facts',
-           'facts_lines', 'summary_text', 'run_cli', 'runs_table', 'effective_defaults', 'summary_cli', 'list_cli',
-           'config_from_args']
+           'parse_role_endpoints', 'RunPlan', 'plan_run', 'check_run_model', 'check_served_model', 'check_long_run',
+           'summary_line', 'run_independent', 'run_folders', 'independent_runs', 'pass_at_1_by_run',
+           'distillation_parts', 'cut_warning', 'run_facts', 'facts_lines', 'summary_text', 'run_cli', 'runs_table',
+           'effective_defaults', 'summary_cli', 'list_cli', 'config_from_args']
 
 # %% ../nbs/24_runs.ipynb #b7682649
 from .core import terminal_safe
@@ -155,22 +156,23 @@ async def start_run(method: str, problems, config: MethodConfig | dict | None, r
         if backend == 'auto' and llm is None: backend, choice, llm_kw = resolve_auto_backend(run_dir, model, m.config, opts.concurrency, llm_kw)
         cfg = run_record(method, m.config, [p.id for p in problems], model, backend, base_url, opts)
         if choice is not None: cfg['engine_choice'] = choice
-        if choice is not None and opts.progress:
-            print(f"engine: {choice.get('engine', backend)} ({choice.get('reason', '')})", file=sys.stderr, flush=True)
         cfg['quantize'] = llm_kw.get('quantize') if llm is None else None
         prepare_run_dir(run_dir, cfg)
         return await _run_in_folder(m, problems, run_dir, llm, (model, backend, base_url), opts, llm_kw)
 
 # %% ../nbs/24_runs.ipynb #c2252567
-def _log_estimate(m, n_problems: int, run_dir: Path, llm, where: tuple, opts: RunOptions) -> RunEstimate | None:
-    "The run's estimate, printed (with the calibration hint) when the run shows progress; None for a method without a call plan."
+def _log_estimate(m, n_problems: int, run_dir: Path, llm, where: tuple, opts: RunOptions, api_key: str | None = None) -> RunEstimate | None:
+    "The run's estimate (a served model's speed as its server publishes it), printed with the engine and the calibration hint when the run shows progress; None for a method without a call plan."
     cfg = read_json(run_dir / 'config.json')
     choice = cfg.get('engine_choice') or {}
     engine = 'given' if llm is not None else choice.get('engine') or (
         'transformers-int8' if cfg.get('quantize') == 'int8' else where[1])
     threads = (choice.get('kwargs') or {}).get('num_threads') or (choice.get('kwargs') or {}).get('threads')
-    try: est = estimate_run(m.name, m.config, n_problems, opts.concurrency, where[0], engine, threads)
-    except ValueError: return None   # e.g. --method controller: its calls depend on the answers
+    speed = served_speed(where[2], None if where[0] == 'default' else where[0], api_key, measure=False) if engine == 'openai' and where[2] else None
+    try: est = estimate_run(m.name, m.config, n_problems, opts.concurrency, where[0], engine, threads, speed=speed)
+    except ValueError:   # e.g. --method controller: its calls depend on the answers; the log still names the engine, once
+        if choice and opts.progress: print(engine_line(choice.get('engine', where[1]), choice.get('reason', '')), file=sys.stderr, flush=True)
+        return None
     est.engine_reason = choice.get('reason', '')
     if opts.progress:
         hint = calibration_hint(m.name, m.config, n_problems, opts.concurrency, est) if choice else None
@@ -204,7 +206,7 @@ async def _run_in_folder(m, problems, run_dir: Path, llm, where: tuple, opts: Ru
     "`start_run` once the folder is checked: open the model and its cache, mark the run incomplete, run, collect, mark it complete (or note in status.json why it stopped)."
     before = read_status(run_dir)
     t0 = time.perf_counter()
-    est = _log_estimate(m, len(problems), run_dir, llm, where, opts)
+    est = _log_estimate(m, len(problems), run_dir, llm, where, opts, llm_kw.get('api_key'))
     cached = _open_model(run_dir, llm, where, llm_kw)
     prog = _run_progress(m, len(problems), run_dir, cached, opts, {'invocations': before.get('invocations', 0) + 1,
                          'wall_before': before.get('wall_s', 0.0), **({'estimate': est.to_dict()} if est else {})})
@@ -530,6 +532,20 @@ def check_run_model(ms: ModelSettings) -> str | None:
     if ms.backend == 'openai': return None
     return check_model(ms.model.split(':', 1)[1] if ms.model.startswith('llama.cpp:') else ms.model)
 
+# %% ../nbs/24_runs.ipynb #96ec7722
+def check_served_model(ms: ModelSettings) -> None:
+    "A served run's `--model` against its server, before anything is written: a `ValueError` (one line naming what the server serves) when the server lists other names and refuses this one; nothing when it lists it, answers to it, cannot be reached, or `--model` is left to it."
+    if ms.backend != 'openai' or not ms.base_url or ms.model in (None, '', 'default'): return
+    entries = served_models(ms.base_url, ms.api_key)
+    if not entries or any(m['id'] == ms.model for m in entries): return
+    refused = model_refusal(ms.base_url, ms.model, ms.api_key)
+    if refused is None: return
+    ids = [m['id'] for m in entries]
+    close = difflib.get_close_matches(ms.model, ids, n=1, cutoff=0.5)
+    raise ValueError(f"--model {ms.model}: the server at {ms.base_url} serves {', '.join(ids[:5])}{' ...' if len(ids) > 5 else ''} and refuses "
+                     f"this name ({refused}); pass --model {(close or ids)[0]}" + (" (did you mean it?)" if close else '')
+                     + " or leave --model out to use the one it serves")
+
 # %% ../nbs/24_runs.ipynb #f845a4d2
 LONG_CPU_RUN_S = 3600
 "A run on this machine's CPU estimated longer than this (seconds) starts only with --yes, unless a preset sized it."
@@ -547,9 +563,12 @@ def check_long_run(plan: RunPlan, yes: bool = False) -> RunEstimate | None:
 
 # %% ../nbs/24_runs.ipynb #5266287b
 def _dry_run(plan: RunPlan) -> int:
-    "`tmas run --dry-run`: print the estimate of `plan` (and the calibration hint) without running it."
+    "`tmas run --dry-run`: print the estimate of `plan` (and the calibration hint) without running it; a served model's speed is what its server publishes, else a few short calls timed now."
     ms, n = plan.model, len(plan.problems)
-    est = estimate_run(plan.method, plan.config, n, plan.options.concurrency, ms.model, ms.backend, ms.threads, measure=True)
+    speed = None
+    if ms.backend == 'openai' and ms.base_url:
+        speed = served_speed(ms.base_url, None if ms.model == 'default' else ms.model, ms.api_key, run_width(plan.config, plan.options.concurrency))
+    est = estimate_run(plan.method, plan.config, n, plan.options.concurrency, ms.model, ms.backend, ms.threads, measure=True, speed=speed)
     hint = calibration_hint(plan.method, plan.config, n, plan.options.concurrency, est) if ms.backend == 'auto' else None
     runs = [f"that is one of {plan.runs} independent runs (--runs): the whole set takes {plan.runs} times as long"] if plan.runs > 1 else []
     print('\n'.join(estimate_lines(est) + ([hint] if hint else []) + runs))
@@ -574,6 +593,7 @@ def _cmd_run(args) -> int:
     if args.print_config:
         print(json.dumps(plan.record(), indent=1))
         return 0
+    check_served_model(plan.model)   # a name the server refuses stops here, before a run folder exists
     if args.dry_run: return _dry_run(plan)
     if not args.out: raise ValueError("tmas run: --out is required (the run folder), unless --print-config")
     if not (Path(args.out) / 'config.json').exists(): check_long_run(plan, args.yes)   # a resumed run was agreed to
@@ -650,10 +670,25 @@ def distillation_parts(run: Run) -> pd.DataFrame:
         rows.append({'problem_id': e['problem_id'], 'iteration': key[1], 'candidate': seen[key], 'parts': int(parts), 'ok': bool(e.get('ok'))})
     return pd.DataFrame(rows, columns=['problem_id', 'iteration', 'candidate', 'parts', 'ok'])
 
-# %% ../nbs/24_runs.ipynb #9f954e87
+# %% ../nbs/24_runs.ipynb #205ffb2b
 CUT_WARNING = 0.2
 "Share of a role's outputs cut by the token limit above which `tmas runs summary` warns."
+CUT_COST = {'solution': 'a cut solution has no answer, so Pass@1 is low by construction',
+            'refine': 'a cut refinement has no answer, so Pass@1 is low by construction',
+            'verification': 'a cut review gives no score, so fewer candidates count as verified',
+            'summary': 'a cut summary reaches the next iteration unfinished',
+            'experience': 'a cut reply holds no readable JSON, so the experience bank misses the update',
+            'guideline': 'a cut reply holds no readable JSON, so the guideline bank misses the update',
+            'distillation': 'a cut reply holds no readable JSON, so the bank misses that trajectory'}
+"What an output cut by the token limit costs the run, per agent role (the words of the warning)."
 
+def cut_warning(role: str, truncated: int, samples: int, limit) -> str:
+    "The warning of `tmas runs summary` for a role whose outputs were cut: how many, what that costs the run, how to raise the limit."
+    fix = 'raise --max-new-tokens' + ('' if role == 'solution' else f" (or this role's own: role_sampling.{role}.max_new_tokens in --config)")
+    return (f"warning: {truncated / samples:.0%} of the {role} outputs ({truncated}/{samples}) were cut by the token limit ({limit}); "
+            f"{CUT_COST.get(role, f'a cut {role} output is unfinished')}: {fix}")
+
+# %% ../nbs/24_runs.ipynb #9f954e87
 def run_facts(run: Run) -> dict:
     "Wall time, engine and backend, outputs cut per role (with warnings), and per problem the last iteration's answers."
     cfg, by = run.config, run.usage.get('by_role', {})
@@ -664,10 +699,8 @@ def run_facts(run: Run) -> dict:
     if not cut and len(rec):   # written before the counter: the candidates' own finish reasons
         cut = {'solution': {'truncated': int((rec.finish_reason == 'length').sum()), 'samples': int(len(rec))}}
     for d in cut.values(): d['share'] = round(d['truncated'] / d['samples'], 4) if d['samples'] else 0.0
-    limit = (cfg.get('config') or {}).get('max_new_tokens')
-    warnings = [f"warning: {d['share']:.0%} of the {r} outputs ({d['truncated']}/{d['samples']}) were cut by the token limit "
-                f"({limit}); a cut solution has no answer, so Pass@1 is low by construction: raise --max-new-tokens"
-                for r, d in cut.items() if d['share'] > CUT_WARNING]
+    limit = lambda r: ((cfg.get('sampling_by_role') or {}).get(r) or {}).get('max_new_tokens') or (cfg.get('config') or {}).get('max_new_tokens')
+    warnings = [cut_warning(r, d['truncated'], d['samples'], limit(r)) for r, d in cut.items() if d['share'] > CUT_WARNING]
     answers = {}
     if len(rec):
         last = rec[rec.iteration == rec.groupby('problem_id').iteration.transform('max')]

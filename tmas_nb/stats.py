@@ -234,10 +234,12 @@ def detectable_difference(problems: int, candidates: int, rates=0.5, alpha: floa
 
 # %% ../nbs/30a_stats.ipynb #251be6ca
 def power_sentence(problems: int, candidates: int, rates=None, alpha: float = 0.05, power: float = 0.8) -> str:
-    "One line for a plan: '50 problems × 8 candidates: a 10-point difference in Pass@1 is detectable at 80 % power (…)'."
+    "One line for a plan: '50 problems × 8 candidates: a 10-point difference in Pass@1 is detectable at 80 % power (…)'; at a size where even 0 % against 100 % is not, it says so."
     d = detectable_difference(problems, candidates, 0.5 if rates is None else rates, alpha, power)
     head = f"{problems} problem{'s' if problems != 1 else ''} × {candidates} candidate{'s' if candidates != 1 else ''}"
     if not math.isfinite(d): return f"{head}: too few problems for a paired test; no difference in Pass@1 can be detected"
+    if d >= 1: return (f"{head}: no difference in Pass@1 is detectable at this size (even 0 % against 100 % would not reach "
+                       f"{100 * power:.0f} % power); this run shows the machinery, not which method is better")
     assume = 'each problem solved half the time, the most variable case' if rates is None else 'the given per-problem rates'
     return (f"{head}: a {100 * d:.0f}-point difference in Pass@1 is detectable at {100 * power:.0f} % power "
             f"(paired test over problems, α = {alpha:g}, {assume}; smaller differences cannot be told from noise)")

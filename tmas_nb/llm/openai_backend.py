@@ -16,7 +16,8 @@ from .models import resolve_model as local_model_path
 # %% auto #0
 __all__ = ['TOKEN_COUNT_SOURCES', 'EXACT_SOURCES', 'DEFAULT_BASE_URL', 'SHARD_CONNECTIONS', 'request_body', 'parse_choices',
            'LLMRequestError', 'backoff_delay', 'parse_retry_after', 'n_limit_from_refusal', 'updated_settings',
-           'OpenAIClientSettings', 'OpenAIBackend', 'served_context_length', 'ClientShards']
+           'OpenAIClientSettings', 'OpenAIBackend', 'served_models', 'model_refusal', 'served_context_length',
+           'ClientShards']
 
 # %% ../../nbs/13_llm_openai.ipynb #1e0bef65
 def request_body(model: str, request: Request, n: int | None = None, seed: int | None = None,
@@ -257,6 +258,34 @@ def _discover_now(self:OpenAIBackend):
         return                              # the server may not be up yet: resolve on the first call
     if len(names) == 1: self.model = self.model_id = names[0]
 
+# %% ../../nbs/13_llm_openai.ipynb #972a99b6
+def _get_json(url: str, api_key: str | None, timeout: float):
+    "The JSON of a GET of `url` when it answers 200, else None (unreachable, another status, not JSON)."
+    headers = {'Authorization': f'Bearer {api_key}'} if api_key else {}
+    try:
+        r = httpx.get(url, headers=headers, timeout=timeout)
+        return r.json() if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError): return None
+
+def served_models(base_url: str, api_key: str | None = None, timeout: float = 5.0) -> list[dict] | None:
+    "The entries of `GET /v1/models` at `base_url` (each a dict with an 'id'); None when the server cannot be reached or answers no list."
+    data = _get_json(_normalise_base_url(base_url) + '/models', api_key, timeout)
+    if not isinstance(data, dict) or not isinstance(data.get('data'), list): return None
+    return [m for m in data['data'] if isinstance(m, dict) and isinstance(m.get('id'), str)]
+
+# %% ../../nbs/13_llm_openai.ipynb #02b45c26
+def model_refusal(base_url: str, model: str, api_key: str | None = None, timeout: float = 60.0) -> str | None:
+    "The server's refusal of the model name `model` to a one-token chat call (a 404, or a 400 naming it), as one line; None when it answers or cannot be reached."
+    headers = {'Authorization': f'Bearer {api_key}'} if api_key else {}
+    body = {'model': model, 'messages': [{'role': 'user', 'content': 'Hi'}], 'max_tokens': 1}
+    try: r = httpx.post(_normalise_base_url(base_url) + '/chat/completions', json=body, headers=headers, timeout=timeout)
+    except httpx.HTTPError: return None
+    try: msg = r.json()['error']['message']
+    except (ValueError, KeyError, TypeError): msg = r.text
+    msg = ' '.join(str(msg).split())[:300]
+    if r.status_code == 404 or (r.status_code in (400, 422) and model in msg): return f"HTTP {r.status_code}: {msg}"
+    return None
+
 # %% ../../nbs/13_llm_openai.ipynb #8a3a2ca3
 def _positive_int(x) -> int | None:
     "`x` as a positive int when it is one (a bool or a float with a fraction is not), else None."
@@ -267,19 +296,12 @@ def served_context_length(base_url: str, model: str | None = None, api_key: str 
                           timeout: float = 5.0) -> tuple[int | None, str | None]:
     "(context in tokens, where it was read) of the model served at `base_url`: `/v1/models` `max_model_len` (vLLM, SGLang, `tmas serve`), else `/props` `n_ctx` (llama-server); (None, None) when neither says."
     url = _normalise_base_url(base_url)
-    headers = {'Authorization': f'Bearer {api_key}'} if api_key else {}
-    def get(u):
-        try:
-            r = httpx.get(u, headers=headers, timeout=timeout)
-            return r.json() if r.status_code == 200 else None
-        except (httpx.HTTPError, ValueError): return None
-    data = get(url + '/models')
-    entries = [m for m in (data.get('data') if isinstance(data, dict) else None) or [] if isinstance(m, dict)]
+    entries = served_models(url, api_key, timeout) or []
     if model is not None: entries = [m for m in entries if m.get('id') == model] or entries
     lens = {_positive_int(m.get('max_model_len')) for m in entries} - {None}
     if len(lens) == 1: return lens.pop(), 'max_model_len of GET /v1/models'
     root = url[:-len('/v1')] if url.endswith('/v1') else url
-    props = get(root + '/props')
+    props = _get_json(root + '/props', api_key, timeout)
     if isinstance(props, dict):
         gen = props.get('default_generation_settings')
         n = _positive_int(gen.get('n_ctx')) if isinstance(gen, dict) else None

@@ -440,8 +440,8 @@ def guarded_app(title: str, api_key: str | None = None, loopback_only: bool = Fa
 
 # %% ../../nbs/15_llm_server.ipynb #a6be1470
 def create_app(llm: LLM, served_model_name: str | None = None, limits: ServerLimits | None = None,
-               api_key: str | None = None, loopback_only: bool = False):
-    "A FastAPI application serving `llm` at `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/v1/usage`, `/health` (and `/tokenize`, `/detokenize`)."
+               api_key: str | None = None, loopback_only: bool = False, speed: tuple[dict, str] | None = None):
+    "A FastAPI application serving `llm` at `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/v1/usage`, `/health` (and `/tokenize`, `/detokenize`); `speed`: ({requests in flight: tokens/s}, how it was found), which `/v1/models` publishes."
     name = served_model_name or llm.model_id
     limits = limits or ServerLimits.for_model(llm)
     app = guarded_app('tmas_nb model server', api_key, loopback_only)
@@ -463,6 +463,7 @@ def create_app(llm: LLM, served_model_name: str | None = None, limits: ServerLim
     async def models():
         card = {'id': name, 'object': 'model', 'created': created, 'owned_by': 'tmas_nb'}
         if limits.context: card['max_model_len'] = limits.context      # as vLLM reports the served context
+        if speed: card['tokens_per_s'], card['tokens_per_s_source'] = {str(w): round(v, 1) for w, v in speed[0].items()}, speed[1]
         return {'object': 'list', 'data': [card]}
 
     @app.get('/v1/usage')
@@ -585,23 +586,25 @@ def _calibrated_speed(args) -> dict | None:
     if not row or cal.get('machine') != machine_fingerprint(): return None
     return {int(w): float(v) for w, v in row.items()}
 
-def _measured_sizes(llm: LLM, args) -> tuple[dict, str]:
-    "On a CPU, the sizes the command line left out, from the engine's speed (its calibration, else a few seconds measured now); and a note saying so."
+def _measured_sizes(llm: LLM, args) -> tuple[dict, str, tuple[dict, str] | None]:
+    "On a CPU, the sizes the command line left out, from the engine's speed (its calibration, else a few seconds measured now); a note saying so; and the speed with how it was found (for `/v1/models`), None where none was."
     model = getattr(llm, 'model', None)                          # a model in this process (not a remote one)
+    if model is None or not str(getattr(model, 'device', 'cpu')).startswith('cpu'): return {}, '', None
     widths = ([1] if args.default_max_tokens is None else []) + ([8] if args.max_n is None else [])
-    if model is None or not str(getattr(model, 'device', 'cpu')).startswith('cpu') or not widths: return {}, ''
     speed, how = _calibrated_speed(args), 'calibrated'
+    if not widths: return {}, '', (speed, 'calibrated with `tmas engines calibrate`') if speed else None
     if speed is None:
         how = 'measured'
         try:
             llm.generate_sync([Request.from_prompt('Hi', max_new_tokens=2, temperature=0)])   # warm up: the first call is slower
             speed = measure_throughput(llm, widths, max_new_tokens=16, singles=1)
-        except Exception as e: return {}, f'the engine could not be measured ({type(e).__name__}); the defaults stay'
+        except Exception as e: return {}, f'the engine could not be measured ({type(e).__name__}); the defaults stay', None
         finally: llm.usage.reset()                               # /v1/usage counts clients' requests only
+    published = (dict(speed), 'calibrated with `tmas engines calibrate`' if how == 'calibrated' else 'measured at start')
     speed = {w: speed[w] for w in widths if w in speed}
     sizes = cpu_sizes(speed, default_max_tokens=args.default_max_tokens)
     return sizes, (f'{how} ' + ', '.join(f'{v:.0f} tokens/s with {w} in flight' for w, v in speed.items()) + ': '
-                   + ', '.join(f'{_FLAGS[k]} {v}' for k, v in sizes.items()))
+                   + ', '.join(f'{_FLAGS[k]} {v}' for k, v in sizes.items())), published
 
 def _close_within(llm: LLM, timeout: float) -> bool:
     "Close `llm` from a helper thread, waiting at most `timeout` seconds (a batch being decoded is not waited for)."
@@ -628,14 +631,14 @@ def _serve_command(args) -> int:
     print(f'tmas serve: loading {args.model} ...', file=sys.stderr, flush=True)
     try: llm = load_llm(args.model, backend='transformers', **kw)
     except BaseException: sock.close(); raise
-    measured, note = _measured_sizes(llm, args)
+    measured, note, speed = _measured_sizes(llm, args)
     name, limits = args.served_model or args.model, _limits_from_args(args, llm, measured)
     print(f'tmas serve: {name} ready in {time.perf_counter() - t0:.1f}s at http://{args.host}:{args.port}/v1 '
           f'(n <= {limits.max_n}, max_tokens <= {limits.max_tokens} (default {limits.default_max_tokens}), context '
           f'{limits.context}, queue {limits.max_queue}, connections {limits.max_connections}' + (f'; {note}' if note else '') + ')',
           file=sys.stderr, flush=True)
     try: serve(llm, host=args.host, port=args.port, log_level=args.log_level, sock=sock, served_model_name=name,
-               limits=limits, api_key=api_key)
+               limits=limits, api_key=api_key, speed=speed)
     finally:
         if not _close_within(llm, limits.shutdown_timeout_s):
             print('tmas serve: the model was still decoding a batch; exiting without waiting for it', file=sys.stderr, flush=True)
