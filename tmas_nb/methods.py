@@ -22,7 +22,7 @@ from .agents import (SamplingConfig, AgentContext, TMAS_ROLE_SAMPLING, DISTILL_M
 from .prompts import render_pacore_messages, strip_thinking
 from .memory import (ExperienceBank, GuidelineBank, RSEBank, HashingEmbedder, WordJaccard, TMAS_DEDUP_THRESHOLD,
                             RSE_DEDUP_THRESHOLD)
-from .grading import extract_answer, clean_answer, grade_many_detail
+from .grading import CUT_READINGS, extract_answer, clean_answer, grade_many_detail
 from .data import Problem
 
 # %% auto #0
@@ -52,7 +52,7 @@ class MethodConfig:
     memory_retries: int = 2
     embedder: str = 'minilm'
     templates: dict = field(default_factory=dict)
-    answer_from_truncated: bool = False                    # grade a cut-off output's last finished box (lenient)
+    answer_from_truncated: bool | str = False              # a cut-off output: no answer; True its last finished box; 'release' as RSE's eval/ reads it
     system_in_user: bool = False                           # system prompts go into the user turn (RSE App. B.2, Phi-4)
 
     DEFAULT_ROLE_SAMPLING = {}   # the method's per-role sampling; `role_sampling` overrides it role by role, setting by setting
@@ -77,6 +77,7 @@ def validate(self:MethodConfig):
     if not isinstance(self.memory_retries, int) or self.memory_retries < 0: bad('memory_retries', f"must be an integer >= 0, got {self.memory_retries!r}")
     if self.embedder not in EMBEDDERS: bad('embedder', f"is {self.embedder!r}; use one of {EMBEDDERS}")
     if not isinstance(self.templates, dict): bad('templates', "must be a dict {template name: text}")
+    if self.answer_from_truncated not in CUT_READINGS: bad('answer_from_truncated', f"is {self.answer_from_truncated!r}; use false (no answer), true (the last finished box) or 'release'")
     self.sampling()
     return self
 
@@ -640,7 +641,7 @@ def read_checkpoints(run_dir) -> dict[str, list[dict]]:
     return dict(iter_checkpoints(run_dir))
 
 # %% ../nbs/23_methods.ipynb #a2bc090f
-def _grade(texts: list[str], golds: list[str], finish_reasons: list[str], extract_truncated: bool = False):
+def _grade(texts: list[str], golds: list[str], finish_reasons: list[str], extract_truncated: bool | str = False):
     with _GRADE_LOCK: return grade_many_detail(texts, golds, finish_reasons, progress=False, extract_truncated=extract_truncated)
 
 # %% ../nbs/23_methods.ipynb #c47a7bc0
