@@ -15,15 +15,16 @@ from .llm.core import split_thinking, TRUNCATED_NOTE
 __all__ = ['SOLVER_SYSTEM', 'REVIEWER_SYSTEM', 'SOLUTION_PROMPT', 'REFINE_PROMPT', 'ROLLOUTS_BLOCK', 'ROLLOUT_ITEM',
            'EXPERIENCE_BLOCK', 'GUIDELINES_BLOCK', 'VERIFICATION_PROMPT', 'SUMMARY_PROMPT', 'SUMMARY_LENGTH_LIMIT',
            'SUMMARY_REVIEW_ITEM', 'EXPERIENCE_UPDATE_PROMPT', 'GUIDELINE_UPDATE_PROMPT', 'RSE_SYSTEM',
-           'RSE_EXPERIENCE_BLOCK', 'RSE_ROLLOUT_PROMPT', 'RSE_DISTILL_PROMPT', 'SELF_REFINE_PROMPT',
-           'VERIFY_REFINE_PROMPT', 'PACORE_PROMPT', 'DEFAULT_TEMPLATES', 'REQUIRED_FIELDS', 'SCORE_SCALE',
-           'PITFALL_TYPES', 'EXPERIENCE_KEYS', 'GUIDELINE_KEYS', 'DISTILLATION_KEYS', 'template_fields', 'fill',
-           'get_templates', 'read_templates', 'template_set', 'strip_thinking', 'experience_lists', 'subsample',
+           'RSE_EXPERIENCE_BLOCK', 'RSE_ROLLOUT_PROMPT', 'RSE_DISTILL_PROMPT', 'RSE_VALIDATE_PROMPT',
+           'SELF_REFINE_PROMPT', 'VERIFY_REFINE_PROMPT', 'PACORE_PROMPT', 'DEFAULT_TEMPLATES', 'REQUIRED_FIELDS',
+           'SCORE_SCALE', 'PITFALL_TYPES', 'EXPERIENCE_KEYS', 'GUIDELINE_KEYS', 'DISTILLATION_KEYS', 'template_fields',
+           'fill', 'get_templates', 'read_templates', 'template_set', 'strip_thinking', 'experience_lists', 'subsample',
            'render_rollouts', 'system_in_user_turn', 'render_solution_messages', 'parse_verification_score',
            'render_verification_messages', 'render_summary_messages', 'render_experience_messages',
            'render_guideline_messages', 'rse_lists', 'render_rse_messages', 'render_distillation_messages',
-           'render_self_refine_messages', 'render_verify_refine_messages', 'render_pacore_messages',
-           'parse_json_object', 'json_item_text', 'pitfall_type', 'parse_json_lists']
+           'render_validation_messages', 'parse_validity', 'render_self_refine_messages',
+           'render_verify_refine_messages', 'render_pacore_messages', 'parse_json_object', 'json_item_text',
+           'pitfall_type', 'parse_json_lists']
 
 # %% ../nbs/20_prompts.ipynb #4d378ba8
 _FIELD = re.compile(r'\{([A-Za-z_][A-Za-z0-9_]*)\}')
@@ -215,6 +216,20 @@ Reply with one JSON object and nothing else (no code fence, no comment), writing
 {"verified_propositions": ["<a statement with its conditions> (Source: <how it was obtained>)"], "critical_pitfalls": ["<step or situation> -> <Dead end, Fatal flaw or Potential risk> -> <trigger; what went wrong; consequence>"]}"""
 "Prompt that distils one RSE rollout into propositions (atomic, with conditions and a source) and typed pitfalls, without knowing the answer."
 
+RSE_VALIDATE_PROMPT = """Below are a math problem and one item of experience distilled from an attempt at it: a {kind}. Decide whether the item is valid.
+- A proposition is valid when it is mathematically true for this problem under the conditions it states.
+- A pitfall is valid when it names a genuine flaw, dead end or risk; a warning against a step that is in fact correct is invalid.
+Judge this item alone, by logic and mathematics; you may work things out before you decide.
+
+Problem:
+{question}
+
+Item:
+{item}
+
+End with one word on the last line: VALID or INVALID."""
+"Prompt that judges one bank item valid or invalid (RSE Appendix C.4's check, used by Table 9's noise ablation)."
+
 # %% ../nbs/20_prompts.ipynb #e2c0f88f
 SELF_REFINE_PROMPT = r"""Below are a problem and a solution you wrote earlier. Re-read the solution critically as if someone else had written it, find any errors or gaps, and then write an improved, complete solution. End with the final answer written as \boxed{...}.
 
@@ -254,7 +269,7 @@ DEFAULT_TEMPLATES: dict[str, str] = dict(
     verification=VERIFICATION_PROMPT, summary=SUMMARY_PROMPT, summary_review_item=SUMMARY_REVIEW_ITEM,
     experience_update=EXPERIENCE_UPDATE_PROMPT, guideline_update=GUIDELINE_UPDATE_PROMPT,
     rse_system=RSE_SYSTEM, rse_experience_block=RSE_EXPERIENCE_BLOCK, rse_rollout=RSE_ROLLOUT_PROMPT,
-    rse_distill=RSE_DISTILL_PROMPT,
+    rse_distill=RSE_DISTILL_PROMPT, rse_validate=RSE_VALIDATE_PROMPT,
     self_refine=SELF_REFINE_PROMPT, verify_refine=VERIFY_REFINE_PROMPT, pacore=PACORE_PROMPT)
 "Every template by name; pass `templates={name: text}` to a render function to override some of them."
 
@@ -266,7 +281,7 @@ REQUIRED_FIELDS: dict[str, set[str]] = dict(
     summary={'solution', 'verifications'}, summary_review_item={'text', 'score'},
     experience_update={'rollouts', 'bank'}, guideline_update={'rollouts', 'guidelines'},
     rse_system={'experience'}, rse_experience_block={'pitfalls', 'propositions'}, rse_rollout={'question'},
-    rse_distill={'question', 'solution'},
+    rse_distill={'question', 'solution'}, rse_validate={'question', 'kind', 'item'},
     self_refine={'question', 'solution'}, verify_refine={'question', 'solution', 'feedback'},
     pacore={'question', 'references'})
 "The fields each template must contain; an override that lacks one is rejected."
@@ -525,6 +540,18 @@ def render_distillation_messages(question: str, solution: str,
     t = get_templates(templates)
     return _messages(t['reviewer_system'], fill(t['rse_distill'], question=question,
                                                 solution=strip_thinking(solution) or '(empty attempt)'))
+
+# %% ../nbs/20_prompts.ipynb #66df4c0b
+def render_validation_messages(question: str, kind: str, item: str, templates: Mapping[str, str] | None = None) -> list[dict[str, str]]:
+    "Chat messages that ask whether one RSE bank item (`kind`: 'proposition' or 'pitfall') is valid."
+    if kind not in ('proposition', 'pitfall'): raise ValueError(f"render_validation_messages: kind={kind!r}; use 'proposition' or 'pitfall'")
+    t = get_templates(templates)
+    return _messages(t['reviewer_system'], fill(t['rse_validate'], question=question, kind=kind, item=item))
+
+def parse_validity(text: str | None) -> bool | None:
+    "True for a last word VALID, False for INVALID (after the thinking); None when the reply gives neither."
+    hits = re.findall(r'\b(invalid|valid)\b', strip_thinking(text), flags=re.IGNORECASE)
+    return hits[-1].lower() == 'valid' if hits else None
 
 # %% ../nbs/20_prompts.ipynb #3f363a18
 def render_self_refine_messages(question: str, solution: str,
