@@ -264,7 +264,7 @@ def _pick(items: list, k: int, rng) -> list:
 
 # %% ../nbs/23_methods.ipynb #33768851
 def noisy_items(shown: dict[str, list[str]], bank: RSEBank, validity: dict, noise: float, rng) -> tuple[dict[str, list[str]], dict]:
-    "Table 9: the prompt's capacity filled with a share `noise` of bank items judged invalid and the rest judged valid (`validity`: {list: {text: verdict}}), those shown first; and the counts it reached."
+    "Table 9: the prompt's capacity filled with a share `noise` of bank items judged invalid and the rest judged valid (`validity`: {list: {text: verdict}}), those shown first (valid items fill in for missing invalid ones); and the counts it reached."
     cap, n_bad = sum(map(len, shown.values())), round(noise * sum(map(len, shown.values())))
     verdict = lambda n, t: validity.get(n, {}).get(t)
     def take(want: bool, k: int) -> list:
@@ -272,7 +272,8 @@ def noisy_items(shown: dict[str, list[str]], bank: RSEBank, validity: dict, nois
         rest = [(n, t) for n in shown for t in bank.texts(n) if verdict(n, t) is want and (n, t) not in first]
         rng.shuffle(rest)
         return (first + rest)[:k]
-    bad, good = take(False, n_bad), take(True, cap - n_bad)
+    bad = take(False, n_bad)
+    good = take(True, cap - len(bad))       # too few invalid items: valid ones keep the capacity (never the reverse)
     chosen = set(bad) | set(good)
     out = {n: [t for t in bank.texts(n) if (n, t) in chosen] for n in shown}
     return out, {'capacity': cap, 'valid': len(good), 'invalid': len(bad), 'invalid_asked': n_bad}

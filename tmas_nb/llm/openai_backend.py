@@ -530,11 +530,12 @@ def context_refusal(message: str | None) -> dict | None:
 
 # %% ../../nbs/13_llm_openai.ipynb #63798328
 @patch
-async def served_context(self:OpenAIBackend) -> int | None:
-    "The served context in tokens: `context` when given, else what the server reports (`served_context_length`), asked once."
-    if self.context or self._context_asked: return self.context
+async def served_context(self:OpenAIBackend, fresh: bool = False) -> int | None:
+    "The served context in tokens: `context` when given, else what the server reports (`served_context_length`), asked once; `fresh`: asked again, and kept when the server says."
+    if not fresh and (self.context or self._context_asked): return self.context
     self._context_asked = True
-    self.context = (await asyncio.to_thread(served_context_length, self.base_url, self.model, self.api_key))[0]
+    said = (await asyncio.to_thread(served_context_length, self.base_url, self.model, self.api_key))[0]
+    self.context = said or self.context
     return self.context
 
 def _prompt_bytes(request: Request) -> int:
@@ -583,7 +584,7 @@ async def shrink_request(self:OpenAIBackend, request: Request, error: LLMRequest
     "`request` with fewer new tokens after the server refused it for its context (`context_refusal`), as few as the refusal allows; None for another refusal or when nothing would fit."
     said = context_refusal(error.last_error) if error.status_code == 400 and self.fit_context else None
     if said is None: return None
-    want, ctx = request.max_new_tokens, said['context'] or await self.served_context()
+    want, ctx = request.max_new_tokens, said['context'] or await self.served_context(fresh=True)   # a context given wrong is read again
     n = said['prompt'] or (await self.prompt_tokens(request) if ctx else None)
     options = [v for v in (said['room'], said['limit'], ctx - n - self.context_margin if ctx and n else None) if v is not None]
     new = min(options) if options else want // 2
