@@ -595,6 +595,7 @@ def cut_reading_arg(value: str):
     if value in ('box', 'release'): return True if value == 'box' else value
     raise argparse.ArgumentTypeError(f"{value!r}: use box (the last finished box) or release (RSE's eval/ reading)")
 
+# %% ../nbs/16_grading.ipynb #31259dfd
 def add_cut_reading_flag(p, dest: str = 'answer_from_truncated', default=False) -> None:
     "The `--answer-from-truncated [box|release]` flag of `tmas grade` and `tmas run`."
     p.add_argument('--answer-from-truncated', dest=dest, nargs='?', const=True, default=default, type=cut_reading_arg,

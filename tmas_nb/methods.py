@@ -278,6 +278,7 @@ def noisy_items(shown: dict[str, list[str]], bank: RSEBank, validity: dict, nois
     out = {n: [t for t in bank.texts(n) if (n, t) in chosen] for n in shown}
     return out, {'capacity': cap, 'valid': len(good), 'invalid': len(bad), 'invalid_asked': n_bad}
 
+# %% ../nbs/23_methods.ipynb #fb41d007
 async def validate_bank(llm, ctx: AgentContext, bank: RSEBank, validity: dict) -> dict:
     "`validity` ({list: {text: verdict}}) with every item of `bank` not judged yet judged by the validator (`judge_items`)."
     todo = [(n, t) for n in bank.LISTS for t in bank.texts(n) if t not in validity.get(n, {})]

@@ -313,6 +313,7 @@ def read_templates(path) -> dict[str, str]:
     except ValueError as e: raise ValueError(f"--templates {p}: {e}") from None
     return d
 
+# %% ../nbs/20_prompts.ipynb #c92dadf4
 def template_set(templates: Mapping[str, str] | None = None, name: str | None = None) -> dict:
     "Which prompt templates a run uses: `name` (else 'package defaults' or 'custom'), the SHA-256 of the whole effective set, and the names that differ from the defaults."
     t = get_templates(templates)
@@ -548,6 +549,7 @@ def render_validation_messages(question: str, kind: str, item: str, templates: M
     t = get_templates(templates)
     return _messages(t['reviewer_system'], fill(t['rse_validate'], question=question, kind=kind, item=item))
 
+# %% ../nbs/20_prompts.ipynb #8e58c596
 def parse_validity(text: str | None) -> bool | None:
     "True for a last word VALID, False for INVALID (after the thinking); None when the reply gives neither."
     hits = re.findall(r'\b(invalid|valid)\b', strip_thinking(text), flags=re.IGNORECASE)
@@ -668,6 +670,7 @@ def json_item_text(item) -> str:
         return get('statement') + (f' (Source: {src})' if src and 'source:' not in get('statement').lower() else '')
     return json.dumps(item, ensure_ascii=False)
 
+# %% ../nbs/20_prompts.ipynb #26143c36
 def pitfall_type(text: str) -> str | None:
     "The type a pitfall names ('Dead end', 'Fatal flaw' or 'Potential risk'), else None."
     found = [t for t in PITFALL_TYPES if re.search(rf'\b{t.replace(" ", r"[ _-]*")}\b', text, re.IGNORECASE)]

@@ -509,6 +509,49 @@ async def _count_tokens(self:OpenAIBackend, texts: list[str]) -> tuple[list[int]
     self._tokenize_path = False            # the server has no tokenize endpoint: stop asking
     return None, 'estimated'
 
+# %% ../../nbs/13_llm_openai.ipynb #ae714038
+@patch
+async def _post_optional(self:OpenAIBackend, path: str, body: dict) -> dict | None:
+    "POST to an endpoint outside `/v1` that a server may lack: its JSON, or None when the server has no such route."
+    try: return await self._call('POST', self._root() + path, body, role='tokenize', what=f'POST {path}')
+    except LLMRequestError as e:
+        if e.status_code in (400, 404, 405, 422, 501): return None
+        raise
+
+# %% ../../nbs/13_llm_openai.ipynb #ad222793
+@patch
+async def tokenize(self:OpenAIBackend, text: str | None = None, messages: list[dict] | None = None, add_special: bool = False,
+                   enable_thinking: bool | None = None) -> list[int]:
+    "Token ids from the server: of `text`, or of `messages` through its chat template with the generation prompt."
+    model = await self.resolve_model()
+    self.stats['tokenize_calls'] += 1
+    if messages is not None:    # vLLM (and tmas serve) render the template in /tokenize; llama-server in /apply-template
+        body = {'model': model, 'messages': messages, 'add_generation_prompt': True, 'add_special_tokens': False}
+        if enable_thinking is not None: body['chat_template_kwargs'] = {'enable_thinking': bool(enable_thinking)}
+        data = await self._post_optional('/tokenize', body)
+        if data and isinstance(data.get('tokens'), list) and data['tokens']: return [int(t) for t in data['tokens']]
+        data = await self._post_optional('/apply-template', {'messages': messages})
+        if not data or not isinstance(data.get('prompt'), str):
+            raise LLMRequestError(f"{self.base_url} renders no chat template (neither /tokenize with messages nor "
+                                  "/apply-template answered); render it with a local tokenizer instead", role='tokenize')
+        text, add_special = data['prompt'], False
+    body = {'model': model, 'prompt': text, 'content': text, 'add_special_tokens': add_special, 'add_special': add_special}
+    data = await self._post_optional('/tokenize', body)
+    if not data or not isinstance(data.get('tokens'), list):
+        raise LLMRequestError(f"{self.base_url} has no tokenize endpoint (POST /tokenize); give a local tokenizer instead",
+                              role='tokenize')
+    return [int(t['id']) if isinstance(t, dict) else int(t) for t in data['tokens']]   # llama-server may send {id, piece}
+
+# %% ../../nbs/13_llm_openai.ipynb #efd46c43
+@patch
+async def detokenize(self:OpenAIBackend, ids: list[int]) -> str:
+    "The text of token ids, from the server's `/detokenize` (vLLM's `prompt` or llama-server's `content`)."
+    data = await self._post_optional('/detokenize', {'model': await self.resolve_model(), 'tokens': [int(t) for t in ids]})
+    text = None if not data else data.get('prompt', data.get('content'))
+    if not isinstance(text, str):
+        raise LLMRequestError(f"{self.base_url} has no detokenize endpoint (POST /detokenize)", role='tokenize')
+    return text
+
 # %% ../../nbs/13_llm_openai.ipynb #f4690f35
 _CONTEXT_WORDS = re.compile(r"context length|context window|context size|context is \d|max_model_len|maximum model length|"
                             r"prompt is too long|input is too long|exceeds? the (?:available |maximum )?context|"
@@ -538,6 +581,7 @@ async def served_context(self:OpenAIBackend, fresh: bool = False) -> int | None:
     self.context = said or self.context
     return self.context
 
+# %% ../../nbs/13_llm_openai.ipynb #00517e19
 def _prompt_bytes(request: Request) -> int:
     "A bound on the prompt's tokens before any template: its UTF-8 bytes (a token is at least one byte), or its token ids."
     if isinstance(request.prompt, list): return len(request.prompt)
@@ -579,6 +623,7 @@ async def fit_request(self:OpenAIBackend, request: Request) -> Request:
     self.stats['context_fits'] += 1
     return dataclasses.replace(request, max_new_tokens=room)
 
+# %% ../../nbs/13_llm_openai.ipynb #71a77035
 @patch
 async def shrink_request(self:OpenAIBackend, request: Request, error: LLMRequestError) -> Request | None:
     "`request` with fewer new tokens after the server refused it for its context (`context_refusal`), as few as the refusal allows; None for another refusal or when nothing would fit."
@@ -629,49 +674,6 @@ async def _chat(self:OpenAIBackend, request: Request, n: int, seed: int | None) 
     self.stats['estimated_samples'] += sources.count('estimated')
     self.token_sources.update(sources)
     return cs
-
-# %% ../../nbs/13_llm_openai.ipynb #ae714038
-@patch
-async def _post_optional(self:OpenAIBackend, path: str, body: dict) -> dict | None:
-    "POST to an endpoint outside `/v1` that a server may lack: its JSON, or None when the server has no such route."
-    try: return await self._call('POST', self._root() + path, body, role='tokenize', what=f'POST {path}')
-    except LLMRequestError as e:
-        if e.status_code in (400, 404, 405, 422, 501): return None
-        raise
-
-# %% ../../nbs/13_llm_openai.ipynb #ad222793
-@patch
-async def tokenize(self:OpenAIBackend, text: str | None = None, messages: list[dict] | None = None, add_special: bool = False,
-                   enable_thinking: bool | None = None) -> list[int]:
-    "Token ids from the server: of `text`, or of `messages` through its chat template with the generation prompt."
-    model = await self.resolve_model()
-    self.stats['tokenize_calls'] += 1
-    if messages is not None:    # vLLM (and tmas serve) render the template in /tokenize; llama-server in /apply-template
-        body = {'model': model, 'messages': messages, 'add_generation_prompt': True, 'add_special_tokens': False}
-        if enable_thinking is not None: body['chat_template_kwargs'] = {'enable_thinking': bool(enable_thinking)}
-        data = await self._post_optional('/tokenize', body)
-        if data and isinstance(data.get('tokens'), list) and data['tokens']: return [int(t) for t in data['tokens']]
-        data = await self._post_optional('/apply-template', {'messages': messages})
-        if not data or not isinstance(data.get('prompt'), str):
-            raise LLMRequestError(f"{self.base_url} renders no chat template (neither /tokenize with messages nor "
-                                  "/apply-template answered); render it with a local tokenizer instead", role='tokenize')
-        text, add_special = data['prompt'], False
-    body = {'model': model, 'prompt': text, 'content': text, 'add_special_tokens': add_special, 'add_special': add_special}
-    data = await self._post_optional('/tokenize', body)
-    if not data or not isinstance(data.get('tokens'), list):
-        raise LLMRequestError(f"{self.base_url} has no tokenize endpoint (POST /tokenize); give a local tokenizer instead",
-                              role='tokenize')
-    return [int(t['id']) if isinstance(t, dict) else int(t) for t in data['tokens']]   # llama-server may send {id, piece}
-
-# %% ../../nbs/13_llm_openai.ipynb #efd46c43
-@patch
-async def detokenize(self:OpenAIBackend, ids: list[int]) -> str:
-    "The text of token ids, from the server's `/detokenize` (vLLM's `prompt` or llama-server's `content`)."
-    data = await self._post_optional('/detokenize', {'model': await self.resolve_model(), 'tokens': [int(t) for t in ids]})
-    text = None if not data else data.get('prompt', data.get('content'))
-    if not isinstance(text, str):
-        raise LLMRequestError(f"{self.base_url} has no detokenize endpoint (POST /detokenize)", role='tokenize')
-    return text
 
 # %% ../../nbs/13_llm_openai.ipynb #e4e5d03f
 @patch
