@@ -85,7 +85,8 @@ FLAGS = {
     '--n-candidates': ('N', {'rl teacher', 'run'}), '--n-verifications': ('M', {'rl teacher', 'run'}),
     '--iterations': ('T', {'rl teacher', 'run'}),
     '--epsilon': ('exploration probability', {'run'}), '--concurrency': ('problems run at the same time', {'run', 'gateway'}),
-    '--answer-from-truncated': ("grade a cut-off output's last box", {'grade', 'run'}),
+    '--answer-from-truncated': ("grade a cut-off output's last box, or as RSE's release reads it", {'grade', 'run'}),
+    '--templates': ("a JSON file of prompt templates replacing the package's", {'run'}),
     # reading a run
     '--problem': ('one problem of a run, by its id', {'runs show'}),
     '--iteration': ('one iteration of a run (0 is the first, as in records.parquet)', {'runs show'}),

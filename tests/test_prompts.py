@@ -168,8 +168,8 @@ def test_rse_prompts():
     b = RSEBank(embedder=HashingEmbedder())
     b.update(['n^2 ≡ 4 (mod 5) means n ≡ ±2.'], ['Stopping after the first residue that works.'], round=0)
     sys_ = render_rse_messages(Q, b)[0]['content']
-    i_avoid, i_pit = sys_.index('Pitfalls to avoid'), sys_.index('- Stopping after the first residue')
-    i_verify, i_prop = sys_.index('Propositions to verify before use'), sys_.index('- n^2 ≡ 4')
+    i_avoid, i_pit = sys_.index('Critical pitfalls (never repeat these)'), sys_.index('- Stopping after the first residue')
+    i_verify, i_prop = sys_.index('Propositions (check each one before you use it)'), sys_.index('- n^2 ≡ 4')
     assert i_avoid < i_pit < i_verify < i_prop
     d = user(render_distillation_messages(Q, ROLLOUTS[0]['solution']))
     assert '"verified_propositions"' in d and '"critical_pitfalls"' in d and 'private scratch work' not in d

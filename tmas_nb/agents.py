@@ -15,7 +15,7 @@ from .llm.core import LLM, Request, Completion, TokenUsage, split_thinking
 from .prompts import (render_solution_messages, render_verification_messages, render_summary_messages,
                              render_experience_messages, render_guideline_messages, render_rse_messages,
                              render_distillation_messages, render_self_refine_messages,
-                             render_verify_refine_messages, render_pacore_messages, parse_verification_score,
+                             render_verify_refine_messages, render_pacore_messages, parse_verification_score, render_validation_messages, parse_validity,
                              parse_json_lists, system_in_user_turn, EXPERIENCE_KEYS, GUIDELINE_KEYS, DISTILLATION_KEYS)
 from .memory import ExperienceBank, GuidelineBank, RSEBank
 
@@ -23,8 +23,8 @@ from .memory import ExperienceBank, GuidelineBank, RSEBank
 __all__ = ['ROLE_SAMPLING_KEYS', 'TMAS_ROLE_SAMPLING', 'DISTILL_MAX_CHARS', 'derive_seed', 'derive_rng', 'SamplingConfig',
            'tag_request', 'request_tag', 'AgentContext', 'solve', 'Verification', 'is_fully_verified', 'verify',
            'summarize', 'MemoryUpdate', 'update_experience', 'update_guidelines', 'apply_distillation',
-           'rollout_trajectory', 'distill', 'rse_rollouts', 'sample', 'self_refine', 'verify_refine', 'pacore',
-           'call_rows', 'MeteredLLM', 'compact_calls']
+           'rollout_trajectory', 'distill', 'apply_round', 'judge_items', 'rse_rollouts', 'sample', 'self_refine',
+           'verify_refine', 'pacore', 'call_rows', 'MeteredLLM', 'compact_calls']
 
 # %% ../nbs/21_agents.ipynb #17bfe1ef
 def derive_seed(run_seed: int, problem_id: str, iteration: int, candidate: int, role: str) -> int:
@@ -209,12 +209,13 @@ async def update_experience(llm: LLM, ctx: AgentContext, rollouts: Sequence[Any]
 
 # %% ../nbs/21_agents.ipynb #02811e34
 async def update_guidelines(llm: LLM, ctx: AgentContext, rollouts: Sequence[Any], bank: GuidelineBank,
-                            retries: int = 2) -> MemoryUpdate:
-    "Ask the guideline agent for the updated strategy list and append its new strategies (append-only)."
+                            retries: int = 2, rule: str = 'append') -> MemoryUpdate:
+    "Ask the guideline agent for the updated strategy list; `rule` 'append' appends its new strategies (the paper's append-only bank), 'replace' makes its list the bank (the release)."
+    if rule not in ('append', 'replace'): raise ValueError(f"update_guidelines: rule={rule!r}; use 'append' (the paper) or 'replace' (the release)")
     msgs = render_guideline_messages(ctx.question, rollouts, bank.texts(), templates=ctx.templates)
     ans, attempts, err = await _ask_json(llm, ctx, msgs, 'guideline', GUIDELINE_KEYS, -1, retries)
     if ans is None: return MemoryUpdate('guideline', False, attempts, 0, err)
-    ev = bank.update(ans['updated_guidelines'], round=ctx.iteration)
+    ev = (bank.update if rule == 'append' else bank.replace)(ans['updated_guidelines'], round=ctx.iteration)
     return MemoryUpdate('guideline', True, attempts, len(ev.added), answer=ans)
 
 # %% ../nbs/21_agents.ipynb #45a8f52e
@@ -257,6 +258,29 @@ async def distill(llm: LLM, ctx: AgentContext, solution: str | Completion, bank:
     added = apply_distillation(bank, ans, mode, ctx.iteration) if bank is not None else 0
     return MemoryUpdate('distillation', True, attempts, added, answer=ans)
 
+# %% ../nbs/21_agents.ipynb #b0f59c0b
+def apply_round(bank: RSEBank, updates: Sequence[MemoryUpdate], mode: str, round: int):
+    "Merge the propositions and/or pitfalls (by `mode`) of one round's parsed distillations into `bank` at once (`RSEBank.merge_round`); sets each update's `added` and returns the bank's update."
+    ok = [u for u in updates if u.ok and u.answer]
+    pick = lambda u, key, kinds: list(u.answer.get(key, [])) if mode in kinds else []
+    ev = bank.merge_round([x for u in ok for x in pick(u, 'verified_propositions', ('both', 'positive'))],
+                          [x for u in ok for x in pick(u, 'critical_pitfalls', ('both', 'negative'))], round=round)
+    fresh = {' '.join(t.split()).casefold() for v in ev.added.values() for t in v}
+    for u in ok:
+        mine = {' '.join(str(x).split()).casefold() for key in DISTILLATION_KEYS for x in pick(u, key, ('both', 'positive' if key == 'verified_propositions' else 'negative'))}
+        u.added, fresh = len(mine & fresh), fresh - mine
+    return ev
+
+# %% ../nbs/21_agents.ipynb #d7a04918
+async def judge_items(llm: LLM, ctx: AgentContext, items: Sequence[tuple[str, str]]) -> list[bool | None]:
+    "Whether each `(list name, text)` of an RSE bank is valid (one `validation` request each); None where the reply gives no verdict."
+    async def one(n, name, text):
+        kind = 'proposition' if name == 'propositions' else 'pitfall'
+        msgs = render_validation_messages(ctx.question, kind, text, templates=ctx.templates)
+        [[c]] = await llm.generate([ctx.request(msgs, 'validation', n)])
+        return parse_validity(c.text)
+    return list(await asyncio.gather(*[one(n, name, text) for n, (name, text) in enumerate(items)]))
+
 # %% ../nbs/21_agents.ipynb #c4a1963c
 async def rse_rollouts(llm: LLM, ctx: AgentContext, bank: RSEBank | None, k: int) -> list[Completion]:
     "K rollouts with the RSE bank in the system prompt (one request, `n = K`)."
@@ -296,7 +320,7 @@ async def pacore(llm: LLM, ctx: AgentContext, references: Sequence[str], candida
 
 # %% ../nbs/21_agents.ipynb #96c3bc5a
 def call_rows(request: Request, completions: list[Completion], who: dict, start: float, end: float) -> list[dict]:
-    "One row per sample of an answered request: who asked (`who`), role, sample, prompt, reply, tokens, finish reason, cached, times."
+    "One row per sample of an answered request: who asked (`who`), role, sample, prompt, reply, tokens, finish reason, cached, times, the new tokens asked (fitted to a served context) and whether a context refusal made it ask again."
     prompt = json.dumps(request.messages, ensure_ascii=False) if request.prompt is None else \
         request.prompt if isinstance(request.prompt, str) else json.dumps(request.prompt)
     rows = []
@@ -306,7 +330,8 @@ def call_rows(request: Request, completions: list[Completion], who: dict, start:
         rows.append({'problem_id': who['problem_id'], 'iteration': who['iteration'], 'candidate': k, 'role': request.role,
                      'sample': s, 'prompt': prompt, 'reply': c.raw or c.text, 'prompt_tokens': int(c.prompt_tokens),
                      'completion_tokens': int(c.completion_tokens), 'finish_reason': c.finish_reason,
-                     'cached': bool(c.cached), 'start': start, 'end': end, 'queue_s': wait})
+                     'cached': bool(c.cached), 'start': start, 'end': end, 'queue_s': wait,
+                     'max_new_tokens': int(c.max_new_tokens or request.max_new_tokens), 'context_retry': bool(c.context_retry)})
     return rows
 
 # %% ../nbs/21_agents.ipynb #4441385a

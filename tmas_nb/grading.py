@@ -18,11 +18,12 @@ from .llm.core import Request, split_thinking, TRUNCATED_NOTE
 math_verify = lazy_import('math_verify')   # 0.85 s to import (it pulls sympy): loaded on the first math comparison
 
 # %% auto #0
-__all__ = ['math_verify', 'MAX_LOG_CHARS', 'MAX_PARTS', 'DEFAULT_TIMEOUT', 'MEMO_SIZE', 'COMPARISONS', 'JUDGE_PROMPT',
-           'JUDGE_MAX_CHARS', 'extract_answer_detail', 'extract_answer', 'clean_answer', 'answer_kind',
-           'normalize_text', 'text_equal', 'choice_equal', 'split_parts', 'math_equal_job', 'start_pool',
+__all__ = ['math_verify', 'CUT_READINGS', 'MAX_LOG_CHARS', 'MAX_PARTS', 'DEFAULT_TIMEOUT', 'MEMO_SIZE', 'COMPARISONS',
+           'JUDGE_PROMPT', 'JUDGE_MAX_CHARS', 'release_rule', 'extract_answer_detail', 'extract_answer', 'clean_answer',
+           'answer_kind', 'normalize_text', 'text_equal', 'choice_equal', 'split_parts', 'math_equal_job', 'start_pool',
            'shutdown_pool', 'clear_grading_memo', 'check_timeout', 'GradeResult', 'grade_many_detail', 'grade_many',
-           'grade_detail', 'grade', 'parse_verdict', 'judge_messages', 'judge', 'pass_at_1', 'grade_cli']
+           'grade_detail', 'grade', 'parse_verdict', 'judge_messages', 'judge', 'pass_at_1', 'cut_reading_arg',
+           'add_cut_reading_flag', 'grade_cli']
 
 # %% ../nbs/16_grading.ipynb #290e9f49
 _BOX_CMD = re.compile(r'\\(?:boxed|fbox)(?![A-Za-z])')
@@ -71,14 +72,43 @@ def _tidy(ans: str) -> str:
         if a.startswith('$') and a.endswith('$') and a.count('$') in (2, 4): a = a.strip('$')
     return a
 
+# %% ../nbs/16_grading.ipynb #bdda8863
+CUT_READINGS = {False: 'no answer', True: 'the last finished box',
+                'release': "the RSE release's reading: the last finished box, else what follows the last 'the answer is', else the last number"}
+"How an output cut off by the token limit is read, by the value of `extract_truncated` (a run's `answer_from_truncated`)."
+
+_LAST_NUMBER = re.compile(r'-?\d*\.?\d+')
+
+def _last_finished_box(text: str) -> str | None:
+    "The content of the last box of `text` that is closed and not empty (an unclosed box after it is passed over)."
+    starts = [m.start() for m in _BOX_CMD.finditer(text)] + [len(text)]
+    for k in range(len(starts) - 2, -1, -1):             # each box read up to the next one
+        got = _last_box(text[:starts[k + 1]])
+        if got is not None and got[0]: return got[0]
+    return None
+
+def release_rule(text: str) -> tuple[str | None, str]:
+    "(answer, method) of a cut-off text as RSE's release reads it: the last finished box, else the text after the last 'the answer is' / 'final answer is', else the last number."
+    if 'boxed' in text:                                  # a box was begun: only a finished one answers
+        ans = _last_finished_box(text)
+        return (_tidy(ans) or None, 'boxed') if ans else (None, 'unclosed_box')
+    for phrase in ('he answer is', 'final answer is'):
+        if phrase in text:
+            ans = _tidy(re.sub(r'\n\s*', '', text.split(phrase)[-1]).lstrip(':').rstrip('/'))
+            return (ans or None), 'answer_phrase'
+    nums = _LAST_NUMBER.findall(text.replace(',', ''))
+    return (nums[-1], 'last_number') if nums else (None, 'none')
+
 # %% ../nbs/16_grading.ipynb #8adeb254
 def extract_answer_detail(text: str | None, finish_reason: str | None = None,
-                          extract_truncated: bool = False) -> tuple[str | None, str]:
-    "The final answer in `text` and the rule that found it: `(answer, method)`; answer is None when there is none."
+                          extract_truncated: bool | str = False) -> tuple[str | None, str]:
+    "The final answer in `text` and the rule that found it: `(answer, method)`; answer is None when there is none. A cut-off output is read by `extract_truncated` (`CUT_READINGS`)."
+    if extract_truncated not in CUT_READINGS: raise ValueError(f"extract_truncated: use one of {list(CUT_READINGS)}, got {extract_truncated!r}")
     reasoning, body, truncated = split_thinking(text, finish_reason)
     if (text or '').strip() == TRUNCATED_NOTE or (truncated and not extract_truncated): return None, 'truncated'
     if truncated and not body.strip(): body = reasoning
     if not body or not body.strip(): return None, 'none'
+    if truncated and extract_truncated == 'release': return release_rule(body)
     box = _last_box(body)
     if box is not None:
         ans, method = box
@@ -93,7 +123,7 @@ def extract_answer_detail(text: str | None, finish_reason: str | None = None,
     return None, 'none'
 
 # %% ../nbs/16_grading.ipynb #8f82b694
-def extract_answer(text: str | None, finish_reason: str | None = None, extract_truncated: bool = False) -> str | None:
+def extract_answer(text: str | None, finish_reason: str | None = None, extract_truncated: bool | str = False) -> str | None:
     "The final answer in a model output (see `extract_answer_detail` for the rules), or None."
     return extract_answer_detail(text, finish_reason, extract_truncated)[0]
 
@@ -437,7 +467,7 @@ def _strip_unit(pred: str) -> str:
     return head.strip()
 
 # %% ../nbs/16_grading.ipynb #b0f1cda8
-def _prepare(prediction_text, gold, finish_reason, extract_truncated=False):
+def _prepare(prediction_text, gold, finish_reason, extract_truncated: bool | str = False):
     if gold is None or not str(gold).strip(): raise ValueError(f"grade: the reference answer is empty ({gold!r}); every problem needs an answer")
     g = clean_answer(gold)
     ans, method = extract_answer_detail(prediction_text, finish_reason, extract_truncated)
@@ -452,7 +482,7 @@ def _prepare(prediction_text, gold, finish_reason, extract_truncated=False):
 
 # %% ../nbs/16_grading.ipynb #87c228ea
 def grade_many_detail(preds, golds, finish_reasons=None, timeout: float = DEFAULT_TIMEOUT, progress: bool | None = None,
-                      extract_truncated: bool = False) -> list[GradeResult]:
+                      extract_truncated: bool | str = False) -> list[GradeResult]:
     "`GradeResult` for every `(prediction_text, gold)` pair; math comparisons run in parallel in the pool."
     timeout = check_timeout(timeout)
     preds, golds = list(preds), list(golds)
@@ -468,19 +498,19 @@ def grade_many_detail(preds, golds, finish_reasons=None, timeout: float = DEFAUL
 
 # %% ../nbs/16_grading.ipynb #a445eff9
 def grade_many(preds, golds, finish_reasons=None, timeout: float = DEFAULT_TIMEOUT, progress: bool | None = None,
-               extract_truncated: bool = False) -> list[bool]:
+               extract_truncated: bool | str = False) -> list[bool]:
     "Whether each prediction text answers its reference answer correctly (in parallel)."
     return [r.correct for r in grade_many_detail(preds, golds, finish_reasons, timeout, progress, extract_truncated)]
 
 # %% ../nbs/16_grading.ipynb #7bb2e9b4
 def grade_detail(prediction_text: str, gold: str, finish_reason: str | None = None, timeout: float = DEFAULT_TIMEOUT,
-                 extract_truncated: bool = False) -> GradeResult:
+                 extract_truncated: bool | str = False) -> GradeResult:
     "The `GradeResult` of one prediction text against its reference answer."
     return grade_many_detail([prediction_text], [gold], [finish_reason], timeout, progress=False, extract_truncated=extract_truncated)[0]
 
 # %% ../nbs/16_grading.ipynb #9616c8ea
 def grade(prediction_text: str, gold: str, finish_reason: str | None = None, timeout: float = DEFAULT_TIMEOUT,
-          extract_truncated: bool = False) -> bool:
+          extract_truncated: bool | str = False) -> bool:
     "Whether `prediction_text` (a model output) gives the reference answer `gold`."
     return grade_detail(prediction_text, gold, finish_reason, timeout, extract_truncated).correct
 
@@ -559,6 +589,20 @@ def _cmd_grade(args) -> int:
     print(json.dumps(r.to_dict(), ensure_ascii=False) if args.json else ('true' if r.correct else 'false'))
     return 0
 
+# %% ../nbs/16_grading.ipynb #12a10e54
+def cut_reading_arg(value: str):
+    "`--answer-from-truncated [box|release]` as an `extract_truncated` value: True for 'box', 'release' as it is."
+    if value in ('box', 'release'): return True if value == 'box' else value
+    raise argparse.ArgumentTypeError(f"{value!r}: use box (the last finished box) or release (RSE's eval/ reading)")
+
+# %% ../nbs/16_grading.ipynb #31259dfd
+def add_cut_reading_flag(p, dest: str = 'answer_from_truncated', default=False) -> None:
+    "The `--answer-from-truncated [box|release]` flag of `tmas grade` and `tmas run`."
+    p.add_argument('--answer-from-truncated', dest=dest, nargs='?', const=True, default=default, type=cut_reading_arg,
+                   metavar='box|release', help="grade a cut-off output's last box (box, the flag alone) or read it as RSE's "
+                   "release does (release: the last finished box, else 'the answer is', else the last number); default: "
+                   "a cut-off output has no answer")
+
 # %% ../nbs/16_grading.ipynb #a312cd67
 def grade_cli(p) -> None:
     "The flags of `tmas grade`."
@@ -566,8 +610,7 @@ def grade_cli(p) -> None:
     p.add_argument('--pred', required=True, help="the prediction text (a model output), or '-' to read it from stdin")
     p.add_argument('--finish-reason', default=None, choices=['stop', 'length'],
                    help="'length' marks an output cut off by the token limit: it has no answer")
-    p.add_argument('--answer-from-truncated', action='store_true',
-                   help="read the last finished \\boxed{} of a truncated output anyway (the older, lenient rule)")
+    add_cut_reading_flag(p)
     p.add_argument('--timeout', type=float, default=DEFAULT_TIMEOUT, help='seconds allowed for one comparison')
     p.add_argument('--json', action='store_true', help='print the full verdict as JSON')
     p.set_defaults(func=_cmd_grade)

@@ -17,8 +17,8 @@ from .core import atomic_write_json, read_untrusted_json
 # %% auto #0
 __all__ = ['TMAS_DEDUP_THRESHOLD', 'RSE_DEDUP_THRESHOLD', 'MINILM_PACKAGE', 'MINILM_REQUIREMENT', 'Embedder', 'minilm_dir',
            'load_minilm', 'MiniLMEmbedder', 'default_embedder', 'HashingEmbedder', 'WordJaccard', 'similarity_matrix',
-           'similarity_name', 'MemoryItem', 'MergeRecord', 'as_item', 'deduplicate', 'admit', 'BankUpdate',
-           'ExperienceBank', 'RSEBank', 'UpdateEvent', 'GuidelineBank']
+           'similarity_name', 'MemoryItem', 'MergeRecord', 'as_item', 'deduplicate', 'admit', 'merge_round',
+           'BankUpdate', 'ExperienceBank', 'RSEBank', 'UpdateEvent', 'GuidelineBank']
 
 # %% ../nbs/22_memory.ipynb #85941a01
 _logger = logging.getLogger(__name__)
@@ -233,6 +233,34 @@ def admit(bank: Sequence[MemoryItem], new: Iterable[Any], tau: float, embedder: 
         heads.append(it); keys.append(k); rows.append(n0 + n)
     return heads, log
 
+# %% ../nbs/22_memory.ipynb #2011a783
+def merge_round(previous: Sequence[MemoryItem], current: Iterable[Any], tau: float, embedder: Embedder | None = None,
+                round: int | None = None) -> tuple[list[MemoryItem], list[MergeRecord]]:
+    "RSE's release de-duplication of one round: the bank so far and this round's items together, this round's first and longest first; the kept items in their original order, and the merge log."
+    cur = [it for it in (as_item(x, round, where=f'item {i}') for i, x in enumerate(current)) if it.text]
+    pool = [(it, False) for it in previous if it.text] + [(it, True) for it in cur]
+    first: dict[str, int] = {}                          # exact duplicates: the first copy, or a later one of this round
+    for n, (it, new) in enumerate(pool):
+        k = _key(it.text)
+        if k not in first or (new and not pool[first[k]][1]): first[k] = n
+    log = [MergeRecord(it.text, it.round, pool[first[_key(it.text)]][0].text, pool[first[_key(it.text)]][0].round, 'exact', 1.0)
+           for n, (it, _) in enumerate(pool) if first[_key(it.text)] != n]
+    idx = sorted(first.values(), key=lambda n: (pool[n][1], len(pool[n][0].text)), reverse=True)   # stable: ties keep their order
+    keys, heads, table = {n: _key(pool[n][0].text) for n in idx}, [], None
+    for n in idx:
+        it = pool[n][0]
+        sub = next((h for h in heads if len(keys[n]) < len(keys[h]) and keys[n] in keys[h]), None)
+        reason, sim = ('substring', None) if sub is not None else (None, None)
+        if sub is None and heads:
+            if table is None: table = similarity_matrix(embedder, [pool[m][0].text for m in idx], [pool[m][0].text for m in idx])
+            row = {m: r for r, m in enumerate(idx)}
+            sims = table[row[n], [row[h] for h in heads]]
+            j = int(np.argmax(sims))
+            if float(sims[j]) > tau: sub, reason, sim = heads[j], 'similarity', _rounded(float(sims[j]))
+        if sub is None: heads.append(n); continue
+        log.append(MergeRecord(it.text, it.round, pool[sub][0].text, pool[sub][0].round, reason, sim))
+    return [pool[n][0] for n in sorted(heads)], log
+
 # %% ../nbs/22_memory.ipynb #1d64c894
 @dataclass
 class BankUpdate:
@@ -345,6 +373,21 @@ def _update(self:_DedupBank, round: int, new: dict[str, Iterable[Any] | None], r
     self.events.append(ev)
     return ev
 
+# %% ../nbs/22_memory.ipynb #67946e0d
+@patch
+def merge_round(self:RSEBank, propositions: Iterable[Any] = (), pitfalls: Iterable[Any] = (), round: int = 0) -> BankUpdate:
+    "Merge one round's propositions and pitfalls into the bank as RSE's release does (`merge_round`): the update says what was added, merged and removed."
+    ev = BankUpdate(int(round))
+    for name, new in (('propositions', propositions), ('pitfalls', pitfalls)):
+        old: list[MemoryItem] = getattr(self, name)
+        kept, merges = merge_round(old, new or [], self.tau, self.embedder, round)
+        old_keys, kept_keys = {_key(o.text) for o in old}, {_key(k.text) for k in kept}
+        ev.added[name] = [k.text for k in kept if _key(k.text) not in old_keys]
+        ev.merged[name], ev.removed[name] = merges, [o.text for o in old if _key(o.text) not in kept_keys]
+        setattr(self, name, kept)
+    self.events.append(ev)
+    return ev
+
 # %% ../nbs/22_memory.ipynb #efcf31bf
 @patch
 def snapshot(self:_DedupBank) -> dict:
@@ -395,6 +438,8 @@ class UpdateEvent:
     restored: list[dict] = field(default_factory=list)   # {'text', 'reason': 'dropped'|'rewritten', 'replaced_by'}
     merged: list[MergeRecord] = field(default_factory=list)
     reordered: bool = False
+    removed: list[str] = field(default_factory=list)     # rule 'replace': strategies the agent's list left out
+    rule: str = 'append'                                 # 'append' (the paper's) or 'replace' (the release's)
 
     @property
     def compliant(self) -> bool:
@@ -407,7 +452,8 @@ class UpdateEvent:
     @classmethod
     def from_dict(cls, d: dict) -> UpdateEvent:
         return cls(d['round'], d['proposed'], list(d.get('added', [])), list(d.get('restored', [])),
-                   [MergeRecord(**m) for m in d.get('merged', [])], bool(d.get('reordered', False)))
+                   [MergeRecord(**m) for m in d.get('merged', [])], bool(d.get('reordered', False)),
+                   list(d.get('removed', [])), d.get('rule', 'append'))
 
 # %% ../nbs/22_memory.ipynb #a0415fef
 def _resembles(a: str, b: str, ratio: float) -> float:
@@ -476,6 +522,30 @@ def update(self:GuidelineBank, new_list: Iterable[Any], round: int = 0) -> Updat
         _logger.warning("guideline update in round %s dropped or rewrote %d existing strateg%s; restored: %s",
                        round, len(ev.restored), 'y' if len(ev.restored) == 1 else 'ies',
                        '; '.join(f"{r['text']!r} ({r['reason']})" for r in ev.restored))
+    return ev
+
+# %% ../nbs/22_memory.ipynb #330352e2
+@patch
+def replace(self:GuidelineBank, new_list: Iterable[Any], round: int = 0) -> UpdateEvent:
+    "The TMAS release's rule: the agent's list becomes the bank (an empty one keeps it); repeats in it merge, kept strategies keep their round."
+    proposed = [t for t in ((x if isinstance(x, str) else as_item(x, round).text).strip() for x in new_list or []) if t]
+    ev, old = UpdateEvent(int(round), len(proposed), rule='replace'), {_key(s.text): s for s in self.strategies}
+    heads: list[MemoryItem] = []
+    for t in proposed if proposed else []:
+        kt = _key(t)
+        sub = next((h for h in heads if kt in _key(h.text)), None)
+        if sub is not None: ev.merged.append(MergeRecord(t, int(round), sub.text, sub.round, 'substring' if kt != _key(sub.text) else 'exact')); continue
+        if self.tau is not None and heads:
+            sims = similarity_matrix(self.embedder, [t], [h.text for h in heads])[0]
+            j = int(np.argmax(sims))
+            if float(sims[j]) > self.tau:
+                ev.merged.append(MergeRecord(t, int(round), heads[j].text, heads[j].round, 'similarity', _rounded(float(sims[j])))); continue
+        heads.append(old.get(kt) or MemoryItem(t, int(round)))
+        if kt not in old: ev.added.append(t)
+    if proposed:
+        kept = {_key(h.text) for h in heads}
+        ev.removed, self.strategies = [s.text for s in self.strategies if _key(s.text) not in kept], heads
+    self.events.append(ev)
     return ev
 
 # %% ../nbs/22_memory.ipynb #1fee3732

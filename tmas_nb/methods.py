@@ -18,21 +18,21 @@ from .core import atomic_write_json, read_untrusted_json
 from .llm.core import LLM, Completion
 from .agents import (SamplingConfig, AgentContext, TMAS_ROLE_SAMPLING, DISTILL_MAX_CHARS, rollout_trajectory, Verification, MemoryUpdate, MeteredLLM, compact_calls, derive_rng, is_fully_verified,
                             solve, verify, summarize, update_experience, update_guidelines, distill, rse_rollouts,
-                            sample, self_refine, verify_refine, pacore, apply_distillation)
+                            sample, self_refine, verify_refine, pacore, apply_round, judge_items)
 from .prompts import render_pacore_messages, strip_thinking
 from .memory import (ExperienceBank, GuidelineBank, RSEBank, HashingEmbedder, WordJaccard, TMAS_DEDUP_THRESHOLD,
                             RSE_DEDUP_THRESHOLD)
-from .grading import extract_answer, clean_answer, grade_many_detail
+from .grading import CUT_READINGS, extract_answer, clean_answer, grade_many_detail
 from .data import Problem
 
 # %% auto #0
-__all__ = ['EMBEDDERS', 'TMAS_EPSILON', 'RSE_DEDUP', 'DISTILL_CONTEXT', 'CHARS_PER_TOKEN', 'PROMPT_ROOM', 'IRRELEVANT_ITEMS',
-           'RECORD_COLUMNS', 'METHODS', 'MethodConfig', 'TMASConfig', 'RSEConfig', 'estimate_tokens', 'distill_budget',
-           'trajectory_chunks', 'distill_whole', 'prompt_items', 'BaselineConfig', 'candidate', 'problem_category',
-           'records_frame', 'StepResult', 'Method', 'TMAS', 'RSE', 'Sampling', 'answer_clusters', 'majority_answer',
-           'MajorityVote', 'SelfRefine', 'VerifyRefine', 'fit_references', 'PaCoRe', 'make_method', 'problem_dir_name',
-           'checkpoint_path', 'bank_path', 'bank_items', 'iter_checkpoints', 'read_checkpoints',
-           'read_problem_checkpoints', 'run_problem', 'run_method']
+__all__ = ['EMBEDDERS', 'TMAS_EPSILON', 'RSE_DEDUP', 'DISTILL_CONTEXT', 'CHARS_PER_TOKEN', 'PROMPT_ROOM', 'RECORD_COLUMNS',
+           'METHODS', 'MethodConfig', 'TMASConfig', 'RSEConfig', 'estimate_tokens', 'distill_budget',
+           'trajectory_chunks', 'distill_whole', 'prompt_items', 'noisy_items', 'validate_bank', 'BaselineConfig',
+           'candidate', 'problem_category', 'records_frame', 'StepResult', 'Method', 'TMAS', 'RSE', 'Sampling',
+           'answer_clusters', 'majority_answer', 'MajorityVote', 'SelfRefine', 'VerifyRefine', 'fit_references',
+           'PaCoRe', 'make_method', 'problem_dir_name', 'checkpoint_path', 'bank_path', 'bank_items',
+           'iter_checkpoints', 'read_checkpoints', 'read_problem_checkpoints', 'run_problem', 'run_method']
 
 # %% ../nbs/23_methods.ipynb #7b608a4b
 EMBEDDERS = ('minilm', 'hashing', 'jaccard')
@@ -52,7 +52,7 @@ class MethodConfig:
     memory_retries: int = 2
     embedder: str = 'minilm'
     templates: dict = field(default_factory=dict)
-    answer_from_truncated: bool = False                    # grade a cut-off output's last finished box (lenient)
+    answer_from_truncated: bool | str = False              # a cut-off output: no answer; True its last finished box; 'release' as RSE's eval/ reads it
     system_in_user: bool = False                           # system prompts go into the user turn (RSE App. B.2, Phi-4)
 
     DEFAULT_ROLE_SAMPLING = {}   # the method's per-role sampling; `role_sampling` overrides it role by role, setting by setting
@@ -77,6 +77,7 @@ def validate(self:MethodConfig):
     if not isinstance(self.memory_retries, int) or self.memory_retries < 0: bad('memory_retries', f"must be an integer >= 0, got {self.memory_retries!r}")
     if self.embedder not in EMBEDDERS: bad('embedder', f"is {self.embedder!r}; use one of {EMBEDDERS}")
     if not isinstance(self.templates, dict): bad('templates', "must be a dict {template name: text}")
+    if self.answer_from_truncated not in CUT_READINGS: bad('answer_from_truncated', f"is {self.answer_from_truncated!r}; use false (no answer), true (the last finished box) or 'release'")
     self.sampling()
     return self
 
@@ -129,6 +130,7 @@ class TMASConfig(MethodConfig):
     dedup_threshold: float = TMAS_DEDUP_THRESHOLD
     summary_words: int | None = 200        # the summary's word cap (ours); None: no cap, as the release
     update_memory_after_last: bool = False
+    guideline_update: str = 'append'       # 'append': the paper's append-only bank; 'replace': the release takes the agent's list
 
     def __post_init__(self):
         if self.epsilon is None: self.epsilon = TMAS_EPSILON if self.use_guidelines else 0.0
@@ -139,6 +141,8 @@ class TMASConfig(MethodConfig):
         if not isinstance(self.n_verifications, int) or self.n_verifications < 0:
             raise ValueError(f"TMASConfig.n_verifications: must be an integer >= 0 (0 turns verification off), got {self.n_verifications!r}")
         if not 0 <= self.epsilon <= 1: raise ValueError(f"TMASConfig.epsilon: must be in [0, 1], got {self.epsilon!r}")
+        if self.guideline_update not in ('append', 'replace'):
+            raise ValueError(f"TMASConfig.guideline_update: is {self.guideline_update!r}; use 'append' (the paper's append-only bank) or 'replace' (the release)")
         if self.summary_words is not None and (not isinstance(self.summary_words, int) or self.summary_words < 1):
             raise ValueError(f"TMASConfig.summary_words: must be None (no cap) or an integer >= 1, got {self.summary_words!r}")
         if self.max_rollouts is not None and self.max_rollouts < 0: raise ValueError(f"TMASConfig.max_rollouts: must be None or >= 0, got {self.max_rollouts!r}")
@@ -160,9 +164,11 @@ class RSEConfig(MethodConfig):
     mode: str = 'both'                      # Table 4: 'positive' (propositions only) or 'negative' (pitfalls only)
     dedup_threshold: float = RSE_DEDUP_THRESHOLD
     dedup: str = 'semantic'                 # Table 20: 'semantic' (τ), 'random' (as many items drawn from the raw pool), 'none'
-    max_positive: int | None = None         # Table 10: at most this many propositions in the prompt (a seeded random pick)
-    max_negative: int | None = None         # ... and pitfalls
-    noise: float = 0.0                      # Table 9: this share of the prompt's items replaced by irrelevant ones
+    max_items: int | None = None            # Table 10: at most this many items of the whole bank in the prompt (a seeded random pick)
+    max_positive: int | None = None         # ours: at most this many propositions (a seeded random pick) ...
+    max_negative: int | None = None         # ... and pitfalls, each list on its own
+    validate_items: bool = False            # Table 9 / App. C.4: a validator judges each bank item valid or invalid
+    noise: float = 0.0                      # Table 9: with validate_items, this share of the prompt's items invalid, the rest valid
     distill_context: int | None = None      # the distiller's context (tokens); None: DISTILL_CONTEXT
     distill_max_chars: int | None = None    # a fixed chunk size in characters instead of one from the context
 
@@ -171,10 +177,13 @@ class RSEConfig(MethodConfig):
         bad = lambda f, why: ValueError(f"RSEConfig.{f}: {why}")
         if self.mode not in ('both', 'positive', 'negative'): raise bad('mode', f"is {self.mode!r}; use 'both', 'positive' (propositions only) or 'negative' (pitfalls only)")
         if self.dedup not in RSE_DEDUP: raise bad('dedup', f"is {self.dedup!r}; use one of {', '.join(RSE_DEDUP)}")
-        for f in ('max_positive', 'max_negative'):
+        for f in ('max_items', 'max_positive', 'max_negative'):
             v = getattr(self, f)
             if v is not None and (not isinstance(v, int) or v < 1): raise bad(f, f"must be None or an integer >= 1, got {v!r}")
         if not (isinstance(self.noise, (int, float)) and 0 <= self.noise <= 1): raise bad('noise', f"must be in [0, 1], got {self.noise!r}")
+        if self.noise and not self.validate_items:
+            raise bad('noise', "replaces valid items with invalid ones (Table 9), which needs every item judged: set validate_items: true")
+        if self.validate_items and self.dedup != 'semantic': raise bad('validate_items', "judges the de-duplicated bank: use it with dedup 'semantic'")
         if self.distill_context is not None and self.distill_context < 2048: raise bad('distill_context', f"must be >= 2048 tokens, got {self.distill_context!r}")
         if self.distill_max_chars is not None and self.distill_max_chars < 200: raise bad('distill_max_chars', f"must be >= 200, got {self.distill_max_chars!r}")
         return self
@@ -233,29 +242,18 @@ async def distill_whole(llm, ctx: AgentContext, rollout: Completion, candidate: 
     err = None if ok else ups[-1].error
     return MemoryUpdate('distillation', bool(ok), sum(u.attempts for u in ups), 0, err, answer if ok else None, parts=len(parts))
 
-# %% ../nbs/23_methods.ipynb #724ed85b
-IRRELEVANT_ITEMS = {
-    'propositions': ['The interior angles of a triangle add up to 180 degrees.', 'Every prime greater than 2 is odd.',
-                     'The derivative of sin x is cos x.', 'A regular hexagon has six equal sides.',
-                     'The binomial coefficient C(n, k) equals C(n, n - k).', 'log(ab) = log a + log b for positive a, b.'],
-    'pitfalls': ['Do not confuse the median of a data set with its mode.', 'Do not forget units when converting metres to feet.',
-                 'Avoid dividing by zero when simplifying rational expressions.', 'Do not assume a matrix product commutes.',
-                 'Avoid rounding intermediate decimals too early.', 'Do not treat an open interval as closed.'],
-}
-"Items unrelated to any one problem, for the noise ablation (Table 9): they replace a share of the prompt's items."
-
 # %% ../nbs/23_methods.ipynb #cd7dc5f2
 def prompt_items(bank: RSEBank, raw: dict, config: RSEConfig, rng) -> dict[str, list[str]]:
-    "The propositions and pitfalls one RSE round's prompt carries, by `config.dedup`, the caps and `config.noise`."
+    "The propositions and pitfalls one RSE round's prompt carries, by `config.dedup`, the per-list caps and `config.max_items` (the whole bank's)."
     out = {}
     for name in ('propositions', 'pitfalls'):
         kept, pool = bank.texts(name), list(raw.get(name, []))
         items = kept if config.dedup == 'semantic' else pool if config.dedup == 'none' else _pick(pool, len(kept), rng)
         cap = config.max_positive if name == 'propositions' else config.max_negative
         out[name] = _pick(items, cap, rng) if cap is not None else items
-    slots = [(n, i) for n in out for i in range(len(out[n]))]
-    for n, i in rng.sample(slots, round(config.noise * len(slots))) if config.noise else []:
-        out[n][i] = IRRELEVANT_ITEMS[n][rng.randrange(len(IRRELEVANT_ITEMS[n]))]
+    if config.max_items is not None:            # Table 10: one draw over both lists; each keeps its order
+        keep = set(_pick([(n, i) for n in out for i in range(len(out[n]))], config.max_items, rng))
+        out = {n: [x for i, x in enumerate(v) if (n, i) in keep] for n, v in out.items()}
     return out
 
 def _pick(items: list, k: int, rng) -> list:
@@ -263,6 +261,30 @@ def _pick(items: list, k: int, rng) -> list:
     if k >= len(items): return list(items)
     keep = set(rng.sample(range(len(items)), k))
     return [x for i, x in enumerate(items) if i in keep]
+
+# %% ../nbs/23_methods.ipynb #33768851
+def noisy_items(shown: dict[str, list[str]], bank: RSEBank, validity: dict, noise: float, rng) -> tuple[dict[str, list[str]], dict]:
+    "Table 9: the prompt's capacity filled with a share `noise` of bank items judged invalid and the rest judged valid (`validity`: {list: {text: verdict}}), those shown first (valid items fill in for missing invalid ones); and the counts it reached."
+    cap, n_bad = sum(map(len, shown.values())), round(noise * sum(map(len, shown.values())))
+    verdict = lambda n, t: validity.get(n, {}).get(t)
+    def take(want: bool, k: int) -> list:
+        first = [(n, t) for n in shown for t in shown[n] if verdict(n, t) is want]
+        rest = [(n, t) for n in shown for t in bank.texts(n) if verdict(n, t) is want and (n, t) not in first]
+        rng.shuffle(rest)
+        return (first + rest)[:k]
+    bad = take(False, n_bad)
+    good = take(True, cap - len(bad))       # too few invalid items: valid ones keep the capacity (never the reverse)
+    chosen = set(bad) | set(good)
+    out = {n: [t for t in bank.texts(n) if (n, t) in chosen] for n in shown}
+    return out, {'capacity': cap, 'valid': len(good), 'invalid': len(bad), 'invalid_asked': n_bad}
+
+# %% ../nbs/23_methods.ipynb #fb41d007
+async def validate_bank(llm, ctx: AgentContext, bank: RSEBank, validity: dict) -> dict:
+    "`validity` ({list: {text: verdict}}) with every item of `bank` not judged yet judged by the validator (`judge_items`)."
+    todo = [(n, t) for n in bank.LISTS for t in bank.texts(n) if t not in validity.get(n, {})]
+    out = {n: dict(v) for n, v in validity.items()}
+    for (n, t), v in zip(todo, await judge_items(llm, ctx, todo) if todo else []): out.setdefault(n, {})[t] = v
+    return out
 
 # %% ../nbs/23_methods.ipynb #2fea4f51
 @dataclass
@@ -411,7 +433,7 @@ async def step(self:TMAS, llm, problem, state, banks, iteration):
         if exp is not None and c.n_verifications > 0:
             jobs.append(update_experience(llm, ctx, rollouts, exp, c.memory_retries))
         if guide is not None:
-            jobs.append(update_guidelines(llm, ctx, rollouts, guide, c.memory_retries))
+            jobs.append(update_guidelines(llm, ctx, rollouts, guide, c.memory_retries, c.guideline_update))
         memory = list(await asyncio.gather(*jobs))
     return StepResult(cands, {'rollouts': rollouts}, done, memory)
 
@@ -426,17 +448,19 @@ class RSE(Method):
     async def step(self, llm, problem, state, banks, iteration):
         c, ctx, bank = self.config, self.context(problem, iteration), banks['rse']
         raw = {k: list(v) for k, v in (state.get('raw_pool') or {'propositions': [], 'pitfalls': []}).items()}
-        shown = prompt_items(bank, raw, c, ctx.rng(-1, 'rse-prompt-items'))
+        shown, extra = prompt_items(bank, raw, c, ctx.rng(-1, 'rse-prompt-items')), {}
+        if c.validate_items and any(shown.values()):    # Table 9: judged items, a share of them invalid
+            extra['validity'] = await validate_bank(llm, ctx, bank, state.get('validity') or {})
+            shown, extra['noise'] = noisy_items(shown, bank, extra['validity'], c.noise, ctx.rng(-1, 'rse-noise'))
         cs = await rse_rollouts(llm, ctx, shown if any(shown.values()) else None, c.n_candidates)
         memory = []
         if not self.is_last(iteration):
             memory = list(await asyncio.gather(*[distill_whole(llm, ctx, x, k, c) for k, x in enumerate(cs)]))
-            for u in memory:           # applied in candidate order, so the bank does not depend on timing
-                if not u.ok: continue
-                u.added = apply_distillation(bank, u.answer, c.mode, iteration)
+            apply_round(bank, memory, c.mode, iteration)   # the round at once, in candidate order, as the release
+            for u in (u for u in memory if u.ok):
                 if c.mode != 'negative': raw['propositions'] += list(u.answer.get('verified_propositions', []))
                 if c.mode != 'positive': raw['pitfalls'] += list(u.answer.get('critical_pitfalls', []))
-        state = {'raw_pool': raw, 'prompt_items': {k: len(v) for k, v in shown.items()}}
+        state = {'raw_pool': raw, 'prompt_items': {k: len(v) for k, v in shown.items()}, **extra}
         return StepResult([candidate('rse', x) for x in cs], state, False, memory)
 
 # %% ../nbs/23_methods.ipynb #f9b0bebf
@@ -640,7 +664,7 @@ def read_checkpoints(run_dir) -> dict[str, list[dict]]:
     return dict(iter_checkpoints(run_dir))
 
 # %% ../nbs/23_methods.ipynb #a2bc090f
-def _grade(texts: list[str], golds: list[str], finish_reasons: list[str], extract_truncated: bool = False):
+def _grade(texts: list[str], golds: list[str], finish_reasons: list[str], extract_truncated: bool | str = False):
     with _GRADE_LOCK: return grade_many_detail(texts, golds, finish_reasons, progress=False, extract_truncated=extract_truncated)
 
 # %% ../nbs/23_methods.ipynb #c47a7bc0

@@ -10,9 +10,10 @@ from dataclasses import dataclass
 import pandas as pd
 
 # %% auto #0
-__all__ = ['PAPER_TOKEN_BUDGET', 'TMAS_PAPER', 'RSE_SAMPLING_ROWS', 'RSE_SAMPLINGS', 'PHI4_CONTEXT_CUTS', 'PROTOCOLS',
-           'JUDGE_HINT', 'CPU_DEMO', 'PRESETS', 'OWN_PAPER', 'Cited', 'rse_sampling_family', 'rse_sampling',
-           'tmas_paper', 'backbone_settings', 'rse_paper', 'paper_table', 'preset_values', 'preset_table']
+__all__ = ['PAPER_TOKEN_BUDGET', 'TMAS_PAPER', 'ARM_EPSILON', 'RSE_SAMPLING_ROWS', 'RSE_SAMPLINGS', 'PHI4_CONTEXT_CUTS',
+           'PROTOCOLS', 'JUDGE_HINT', 'CPU_DEMO', 'PRESETS', 'OWN_PAPER', 'Cited', 'rse_sampling_family',
+           'rse_sampling', 'tmas_paper', 'backbone_settings', 'rse_paper', 'paper_table', 'preset_values',
+           'preset_table']
 
 # %% ../nbs/24b_presets.ipynb #9fd734ed
 @dataclass(frozen=True)
@@ -24,7 +25,7 @@ class Cited:
 
 # %% ../nbs/24b_presets.ipynb #a8daf6a8
 PAPER_TOKEN_BUDGET = 128_000
-"TMAS's released settings: up to 128K output tokens per call (capped by the model's context at run time)."
+"TMAS's released settings: up to 128K output tokens per call (a served model's client fits each request to the served context: `OpenAIClientSettings.fit_context`)."
 
 _T4 = 'TMAS §4 inference config (released run.sh / code/main.py)'
 _TB = 'TMAS §4 Baselines'
@@ -42,7 +43,9 @@ TMAS_PAPER = {
                                "is not published)"),
              'dedup_threshold': Cited(0.7, _RELEASE + ': PersistentMemory(threshold=0.7) for the experience and guideline banks'),
              'summary_words': Cited(None, _RELEASE + ": the summary agent condenses the M verifications with no word limit "
-                                    "(the 200-word cap is ours; summary_words keeps it)")},
+                                    "(the 200-word cap is ours; summary_words keeps it)"),
+             'guideline_update': Cited('append', "TMAS §3 and its prompt appendix: the guideline bank is append-only (the released "
+                                       "code/guideline.py replaces the list with the agent's updated_guidelines: guideline_update 'replace')")},
     'mv': {'n_candidates': Cited(64, _TB + ': MV@64'), **_TMAS_SAMPLING},
     'self-refine': {'n_candidates': Cited(8, _TB + ': 8 parallel solutions, each refined independently'),
                     'iterations': Cited(20, _T1), **_TMAS_SAMPLING},
@@ -60,11 +63,18 @@ TMAS_PAPER = {
             'iterations': Cited(20, _T1),
             'embedder': Cited('minilm', "RSE Appendix B.1 (all-MiniLM-L6-v2), the de-duplication of RSE's official code that TMAS ran", assumed=True),
             'dedup_threshold': Cited(0.8, "RSE Appendix B.1 (cosine 0.8), as RSE's official code that TMAS ran", assumed=True),
+            'memory_retries': Cited(5, "RSE's official code that TMAS ran: code/experience_distillation.py asks a distillation "
+                                    "whose reply holds no JSON again, up to 5 times", assumed=True),
             **_TMAS_SAMPLING},
     'sampling': {'n_candidates': Cited(8, 'TMAS It0: N=8 independent solutions'), 'iterations': Cited(1, 'one round of samples'),
                  **_TMAS_SAMPLING},
 }
 "`--preset tmas-paper`: every method at the settings of TMAS's comparison."
+
+# %% ../nbs/24b_presets.ipynb #9225601e
+ARM_EPSILON = Cited(0.0, "TMAS §5.3 gives no ε for the arm without guidelines; inferred from its It1 equalling the full system's "
+                    "It0 (10.88), which fits no explore branch: ε = 0", assumed=True)
+"ε of TMAS's arm without guidelines (`use_guidelines: false`) under `tmas-paper`: an inference, so assumed."
 
 # %% ../nbs/24b_presets.ipynb #340b8ed0
 _RB1 = 'RSE Appendix B.1 sampling configuration'
@@ -125,20 +135,28 @@ _R41 = 'RSE §4.1 implementation details'
 _FRAME = {'n_candidates': Cited(32, _R41 + ': 32 new rollouts per round (32 references)'),
           'iterations': Cited(4, _R41 + ': 1 reference round + 3 optimisation rounds')}
 
+_EVAL = ("RSE §4.1 (Pass@1 of the new rollouts) as its release grades it: eval/calculate_pass_at_k_from_completions.py reads "
+         "each rollout's text with search-and-learn's extract_answer (the last \\boxed{}, else 'the answer is', else the last "
+         "number), and a rollout cut inside its thinking keeps all of it as its text (code/experience_guided_search.py)")
+_CUT = Cited('release', _EVAL)
+_CUT_BASELINE = Cited('release', _EVAL + "; RSE reports every method's Pass@1 alike and publishes no other grader", assumed=True)
+
 def rse_paper(model: str) -> dict[str, dict[str, Cited]]:
-    "`--preset rse-paper`: every method at the settings of RSE's comparison, sampling from `model`'s backbone row."
-    s = rse_sampling(model)
+    "`--preset rse-paper`: every method at the settings of RSE's comparison, sampling from `model`'s backbone row, graded as RSE's release grades."
+    s, c = rse_sampling(model), {'answer_from_truncated': _CUT_BASELINE}
     not_in = lambda m: Cited(None, f'{m} is not among RSE\'s baselines; run in the same multi-round frame')
     return {
         'rse': {**_FRAME, **s, 'dedup_threshold': Cited(0.8, 'RSE Appendix B.1 de-duplication: cosine 0.8'),
-                'embedder': Cited('minilm', 'RSE Appendix B.1: all-MiniLM-L6-v2')},
-        'mv': {'n_candidates': Cited(128, _R41 + ': majority voting over 128 rollouts'), **s},
+                'embedder': Cited('minilm', 'RSE Appendix B.1: all-MiniLM-L6-v2'), 'answer_from_truncated': _CUT,
+                'memory_retries': Cited(5, "RSE release code/experience_distillation.py: a distillation whose reply holds no "
+                                        "JSON is asked again, up to 5 times (max_retries = 5)")},
+        'mv': {'n_candidates': Cited(128, _R41 + ': majority voting over 128 rollouts'), **s, **c},
         'sampling': {'n_candidates': Cited(1024, _R41 + ': one experiment of 1,024 independent rollouts'),
-                     'iterations': Cited(1, _R41), **s},
-        'self-refine': {**_FRAME, **s},
-        'pacore': {**_FRAME, 'max_references': Cited(32, _R41 + ': each round sees the 32 references'), **s},
-        'tmas': {**_FRAME, 'frame': not_in('TMAS'), **s},
-        'verify-refine': {**_FRAME, 'frame': not_in('Verify-Refine'), **s},
+                     'iterations': Cited(1, _R41), **s, **c},
+        'self-refine': {**_FRAME, **s, **c},
+        'pacore': {**_FRAME, 'max_references': Cited(32, _R41 + ': each round sees the 32 references'), **s, **c},
+        'tmas': {**_FRAME, 'frame': not_in('TMAS'), **s, **c},
+        'verify-refine': {**_FRAME, 'frame': not_in('Verify-Refine'), **s, **c},
     }
 
 # %% ../nbs/24b_presets.ipynb #b91759fa
@@ -194,4 +212,7 @@ def preset_table(model: str = 'Qwen3-30B-A3B-Thinking-2507'):
     "Every paper preset's value for every method on `model`, with its source and whether it is assumed (the paper is silent; the source says why), as a DataFrame."
     rows = [{'preset': p, 'method': m, 'setting': k, 'value': c.value, 'assumed': c.assumed, 'source': c.source}
             for p in ('tmas-paper', 'rse-paper') for m, d in paper_table(p, model).items() for k, c in d.items()]
+    arm = ARM_EPSILON   # not a value the preset applies: the arm without guidelines gets it (tmas_nb.runs.layer_settings)
+    rows.append({'preset': 'tmas-paper', 'method': 'tmas', 'setting': 'epsilon (use_guidelines: false)', 'value': arm.value,
+                 'assumed': arm.assumed, 'source': arm.source})
     return pd.DataFrame(rows)

@@ -4,8 +4,9 @@
 
 # %% ../nbs/20_prompts.ipynb #c54c9aea
 from __future__ import annotations
-import ast, json, random, re
+import ast, hashlib, json, random, re
 from fractions import Fraction
+from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from .llm.core import split_thinking, TRUNCATED_NOTE
@@ -14,14 +15,16 @@ from .llm.core import split_thinking, TRUNCATED_NOTE
 __all__ = ['SOLVER_SYSTEM', 'REVIEWER_SYSTEM', 'SOLUTION_PROMPT', 'REFINE_PROMPT', 'ROLLOUTS_BLOCK', 'ROLLOUT_ITEM',
            'EXPERIENCE_BLOCK', 'GUIDELINES_BLOCK', 'VERIFICATION_PROMPT', 'SUMMARY_PROMPT', 'SUMMARY_LENGTH_LIMIT',
            'SUMMARY_REVIEW_ITEM', 'EXPERIENCE_UPDATE_PROMPT', 'GUIDELINE_UPDATE_PROMPT', 'RSE_SYSTEM',
-           'RSE_EXPERIENCE_BLOCK', 'RSE_ROLLOUT_PROMPT', 'RSE_DISTILL_PROMPT', 'SELF_REFINE_PROMPT',
-           'VERIFY_REFINE_PROMPT', 'PACORE_PROMPT', 'DEFAULT_TEMPLATES', 'REQUIRED_FIELDS', 'SCORE_SCALE',
-           'EXPERIENCE_KEYS', 'GUIDELINE_KEYS', 'DISTILLATION_KEYS', 'template_fields', 'fill', 'get_templates',
-           'strip_thinking', 'experience_lists', 'subsample', 'render_rollouts', 'system_in_user_turn',
-           'render_solution_messages', 'parse_verification_score', 'render_verification_messages',
-           'render_summary_messages', 'render_experience_messages', 'render_guideline_messages', 'rse_lists',
-           'render_rse_messages', 'render_distillation_messages', 'render_self_refine_messages',
-           'render_verify_refine_messages', 'render_pacore_messages', 'parse_json_object', 'parse_json_lists']
+           'RSE_EXPERIENCE_BLOCK', 'RSE_ROLLOUT_PROMPT', 'RSE_DISTILL_PROMPT', 'RSE_VALIDATE_PROMPT',
+           'SELF_REFINE_PROMPT', 'VERIFY_REFINE_PROMPT', 'PACORE_PROMPT', 'DEFAULT_TEMPLATES', 'REQUIRED_FIELDS',
+           'SCORE_SCALE', 'PITFALL_TYPES', 'EXPERIENCE_KEYS', 'GUIDELINE_KEYS', 'DISTILLATION_KEYS', 'template_fields',
+           'fill', 'get_templates', 'read_templates', 'template_set', 'strip_thinking', 'experience_lists', 'subsample',
+           'render_rollouts', 'system_in_user_turn', 'render_solution_messages', 'parse_verification_score',
+           'render_verification_messages', 'render_summary_messages', 'render_experience_messages',
+           'render_guideline_messages', 'rse_lists', 'render_rse_messages', 'render_distillation_messages',
+           'render_validation_messages', 'parse_validity', 'render_self_refine_messages',
+           'render_verify_refine_messages', 'render_pacore_messages', 'parse_json_object', 'json_item_text',
+           'pitfall_type', 'parse_json_lists']
 
 # %% ../nbs/20_prompts.ipynb #4d378ba8
 _FIELD = re.compile(r'\{([A-Za-z_][A-Za-z0-9_]*)\}')
@@ -163,23 +166,44 @@ Reply with one JSON object and nothing after it, with your own sentences in plac
 RSE_SYSTEM = r"""You are an expert in competition mathematics. Reason carefully and give the final answer as \boxed{...}.{experience}"""
 "System prompt of an RSE rollout; `{experience}` is empty or `RSE_EXPERIENCE_BLOCK`."
 
-RSE_EXPERIENCE_BLOCK = """
+RSE_EXPERIENCE_BLOCK = r"""
 
-Notes from earlier attempts at this problem.
+This problem has been attempted before, and those attempts were distilled into the notes below: propositions (intermediate results they reached) and critical pitfalls (errors they made). Solve the problem starting from its own definitions, and use the notes only to find your way:
 
-Pitfalls to avoid (mistakes that earlier attempts made):
+1. Treat each proposition as a structural hypothesis, not as a proven fact. Prefer propositions that give an abstract insight, a simplification or an identity (an algebraic simplification, an invariant of a figure, a symmetry of a count). Be very wary of propositions that are bare numbers and of any final answer they suggest: never use a specific number from the notes unless you have derived it yourself. Before taking a shortcut that a proposition offers, check its premise; use it only if the premise holds and it agrees with your own reasoning, and drop it at once if it contradicts your derivation.
+2. Never repeat a pitfall. When you reach a decision point that a pitfall describes, take a different route.
+3. If you reach a contradiction (for example two different values for the same quantity from two conditions), do not settle for the easier or more familiar value. A contradiction usually means that a basic assumption is wrong, such as the configuration of a figure or the definition of a variable: go back to the very beginning, read the problem statement again, and question your setup.
+
+Critical pitfalls (never repeat these):
 {pitfalls}
 
-Propositions to verify before use (claims that earlier attempts derived; they may help, but check each one before you rely on it):
-{propositions}"""
-"The RSE bank as it appears in the system prompt."
+Propositions (check each one before you use it):
+{propositions}
+
+Reason step by step, weigh these notes critically, and give the final answer as \boxed{...}."""
+"The RSE bank in the system prompt, with the rules of the search it guides: propositions as hypotheses to check, no borrowed numbers, no repeated pitfall, back to the start on a contradiction."
 
 RSE_ROLLOUT_PROMPT = SOLUTION_PROMPT
 "User prompt of an RSE rollout (the same task statement as the TMAS base prompt)."
 
-RSE_DISTILL_PROMPT = """Below is one attempt at a math problem. Extract what a later attempt should learn from it.
-- verified propositions: intermediate claims made in the attempt that are correct (check each one yourself) and useful for the problem, each stated as a self-contained sentence;
-- critical pitfalls: errors, false assumptions or dead ends in the attempt, each stated as advice on what to avoid.
+RSE_DISTILL_PROMPT = """Below is one attempt at a math problem. Build from it a bank of experience for the next attempt at the same problem, which will rely on the verified propositions to move faster and will steer clear of the critical pitfalls.
+
+Stay strictly neutral: you do not know the correct answer, and you must not presume that the attempt's final answer is right or wrong. Treat everything the attempt claims as unverified, and judge each step by logic and mathematics alone.
+
+verified_propositions: facts you have confirmed yourself.
+- Keep a statement only if you can check it independently, from standard mathematics or from earlier steps you have confirmed. Be strict: leave out what is merely plausible, what was only tried on a few numbers, and any conclusion the attempt does not derive.
+- State every condition the statement needs ("for x > 0, ...", "if n is odd, ..."); assume no condition it does not state.
+- Make each statement atomic: one reusable fact, the smallest unit that is still useful.
+- Make it self-contained: name the variables and expressions instead of writing "it", "this equation" or "the above".
+- Good material: intermediate results computed correctly, equivalent rewritings of an equation or expression, consequences for the range, sign, parity or existence of a quantity, and standard theorems applied where all their hypotheses visibly hold.
+- End each statement with its source: (Source: how it was obtained, e.g. expanding the square, or Vieta's formulas).
+
+critical_pitfalls: warnings for the next attempt, each of one type:
+- Dead end: a legitimate approach that leads nowhere: the work blows up, goes in circles or stalls.
+- Fatal flaw: a real error that breaks the attempt: a step that is not an equivalence, a necessary condition used as a sufficient one, a case left out, a theorem used without its hypotheses, a wrong calculation.
+- Potential risk: a step that looks right but skips a needed check, such as dividing by an expression that may be zero or squaring both sides without checking for extra roots.
+Write each pitfall as: the step or situation -> its type -> what triggered it; what was done wrong or left unchecked; what it led to.
+
 Leave a list empty rather than guess.
 
 Problem:
@@ -188,9 +212,23 @@ Problem:
 Attempt:
 {solution}
 
-Reply with one JSON object and nothing after it:
-{"verified_propositions": ["..."], "critical_pitfalls": ["..."]}"""
-"Prompt that distils one RSE rollout into propositions and pitfalls."
+Reply with one JSON object and nothing else (no code fence, no comment), writing each backslash twice as JSON requires:
+{"verified_propositions": ["<a statement with its conditions> (Source: <how it was obtained>)"], "critical_pitfalls": ["<step or situation> -> <Dead end, Fatal flaw or Potential risk> -> <trigger; what went wrong; consequence>"]}"""
+"Prompt that distils one RSE rollout into propositions (atomic, with conditions and a source) and typed pitfalls, without knowing the answer."
+
+RSE_VALIDATE_PROMPT = """Below are a math problem and one item of experience distilled from an attempt at it: a {kind}. Decide whether the item is valid.
+- A proposition is valid when it is mathematically true for this problem under the conditions it states.
+- A pitfall is valid when it names a genuine flaw, dead end or risk; a warning against a step that is in fact correct is invalid.
+Judge this item alone, by logic and mathematics; you may work things out before you decide.
+
+Problem:
+{question}
+
+Item:
+{item}
+
+End with one word on the last line: VALID or INVALID."""
+"Prompt that judges one bank item valid or invalid (RSE Appendix C.4's check, used by Table 9's noise ablation)."
 
 # %% ../nbs/20_prompts.ipynb #e2c0f88f
 SELF_REFINE_PROMPT = r"""Below are a problem and a solution you wrote earlier. Re-read the solution critically as if someone else had written it, find any errors or gaps, and then write an improved, complete solution. End with the final answer written as \boxed{...}.
@@ -231,7 +269,7 @@ DEFAULT_TEMPLATES: dict[str, str] = dict(
     verification=VERIFICATION_PROMPT, summary=SUMMARY_PROMPT, summary_review_item=SUMMARY_REVIEW_ITEM,
     experience_update=EXPERIENCE_UPDATE_PROMPT, guideline_update=GUIDELINE_UPDATE_PROMPT,
     rse_system=RSE_SYSTEM, rse_experience_block=RSE_EXPERIENCE_BLOCK, rse_rollout=RSE_ROLLOUT_PROMPT,
-    rse_distill=RSE_DISTILL_PROMPT,
+    rse_distill=RSE_DISTILL_PROMPT, rse_validate=RSE_VALIDATE_PROMPT,
     self_refine=SELF_REFINE_PROMPT, verify_refine=VERIFY_REFINE_PROMPT, pacore=PACORE_PROMPT)
 "Every template by name; pass `templates={name: text}` to a render function to override some of them."
 
@@ -243,7 +281,7 @@ REQUIRED_FIELDS: dict[str, set[str]] = dict(
     summary={'solution', 'verifications'}, summary_review_item={'text', 'score'},
     experience_update={'rollouts', 'bank'}, guideline_update={'rollouts', 'guidelines'},
     rse_system={'experience'}, rse_experience_block={'pitfalls', 'propositions'}, rse_rollout={'question'},
-    rse_distill={'question', 'solution'},
+    rse_distill={'question', 'solution'}, rse_validate={'question', 'kind', 'item'},
     self_refine={'question', 'solution'}, verify_refine={'question', 'solution', 'feedback'},
     pacore={'question', 'references'})
 "The fields each template must contain; an override that lacks one is rejected."
@@ -262,6 +300,26 @@ def get_templates(templates: Mapping[str, str] | None = None) -> dict[str, str]:
                              f"{', '.join('{'+f+'}' for f in sorted(missing))}; add them where the value should go")
         out[name] = text
     return out
+
+# %% ../nbs/20_prompts.ipynb #c426bf9d
+def read_templates(path) -> dict[str, str]:
+    "The prompt templates `{name: text}` of the JSON file at `path`, checked against the known names and their fields; errors name the file."
+    p = Path(path)
+    try: d = json.loads(p.read_text(encoding='utf-8'))
+    except OSError as e: raise ValueError(f"--templates {p}: cannot be read ({e.strerror or e}); give a JSON file of {{template name: text}}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e: raise ValueError(f"--templates {p}: not valid JSON ({e}); give an object of {{template name: text}}") from None
+    if not isinstance(d, dict) or not d: raise ValueError(f"--templates {p}: must hold a non-empty JSON object {{template name: text}}")
+    try: get_templates(d)
+    except ValueError as e: raise ValueError(f"--templates {p}: {e}") from None
+    return d
+
+# %% ../nbs/20_prompts.ipynb #c92dadf4
+def template_set(templates: Mapping[str, str] | None = None, name: str | None = None) -> dict:
+    "Which prompt templates a run uses: `name` (else 'package defaults' or 'custom'), the SHA-256 of the whole effective set, and the names that differ from the defaults."
+    t = get_templates(templates)
+    changed = sorted(k for k, v in t.items() if v != DEFAULT_TEMPLATES[k])
+    digest = hashlib.sha256(json.dumps(t, sort_keys=True, ensure_ascii=False).encode('utf-8')).hexdigest()
+    return {'name': name or ('custom' if changed else 'package defaults'), 'sha256': digest, 'changed': changed}
 
 # %% ../nbs/20_prompts.ipynb #bbca486d
 def strip_thinking(text: str | None) -> str:
@@ -484,6 +542,19 @@ def render_distillation_messages(question: str, solution: str,
     return _messages(t['reviewer_system'], fill(t['rse_distill'], question=question,
                                                 solution=strip_thinking(solution) or '(empty attempt)'))
 
+# %% ../nbs/20_prompts.ipynb #66df4c0b
+def render_validation_messages(question: str, kind: str, item: str, templates: Mapping[str, str] | None = None) -> list[dict[str, str]]:
+    "Chat messages that ask whether one RSE bank item (`kind`: 'proposition' or 'pitfall') is valid."
+    if kind not in ('proposition', 'pitfall'): raise ValueError(f"render_validation_messages: kind={kind!r}; use 'proposition' or 'pitfall'")
+    t = get_templates(templates)
+    return _messages(t['reviewer_system'], fill(t['rse_validate'], question=question, kind=kind, item=item))
+
+# %% ../nbs/20_prompts.ipynb #8e58c596
+def parse_validity(text: str | None) -> bool | None:
+    "True for a last word VALID, False for INVALID (after the thinking); None when the reply gives neither."
+    hits = re.findall(r'\b(invalid|valid)\b', strip_thinking(text), flags=re.IGNORECASE)
+    return hits[-1].lower() == 'valid' if hits else None
+
 # %% ../nbs/20_prompts.ipynb #3f363a18
 def render_self_refine_messages(question: str, solution: str,
                                 templates: Mapping[str, str] | None = None) -> list[dict[str, str]]:
@@ -580,6 +651,31 @@ def parse_json_object(text: str | None) -> dict | None:
         if v is not None: return v
     return None
 
+# %% ../nbs/20_prompts.ipynb #ef5dfd45
+PITFALL_TYPES = ('Dead end', 'Fatal flaw', 'Potential risk')
+"The types of a critical pitfall that `RSE_DISTILL_PROMPT` asks for."
+
+_FIELDS = {'statement': ('text', 'statement', 'proposition', 'content', 'claim'), 'source': ('source', 'derivation', 'method'),
+           'step': ('step', 'context', 'location', 'error_location'), 'type': ('type', 'category', 'kind'),
+           'why': ('explanation', 'reason', 'reasoning_flaw', 'consequence', 'description')}
+
+def json_item_text(item) -> str:
+    "One item of an agent's JSON list as text: a string stripped; an object with a statement (and source) or a step, type and explanation in the prompts' one-line form; anything else as JSON."
+    if item is None: return ''
+    if not isinstance(item, Mapping): return str(item).strip()
+    get = lambda k: next((str(item[f]).strip() for f in _FIELDS[k] if item.get(f) not in (None, '')), '')
+    if get('type') or get('step'): return ' -> '.join(p for p in (get('step'), get('type'), get('why') or get('statement')) if p)
+    if get('statement'):
+        src = get('source')
+        return get('statement') + (f' (Source: {src})' if src and 'source:' not in get('statement').lower() else '')
+    return json.dumps(item, ensure_ascii=False)
+
+# %% ../nbs/20_prompts.ipynb #26143c36
+def pitfall_type(text: str) -> str | None:
+    "The type a pitfall names ('Dead end', 'Fatal flaw' or 'Potential risk'), else None."
+    found = [t for t in PITFALL_TYPES if re.search(rf'\b{t.replace(" ", r"[ _-]*")}\b', text, re.IGNORECASE)]
+    return found[0] if len(found) == 1 else None
+
 # %% ../nbs/20_prompts.ipynb #e0d2073f
 EXPERIENCE_KEYS = ('verified_anchors', 'error_avoidance_heuristics')
 "Keys of the experience agent's JSON answer."
@@ -590,6 +686,8 @@ DISTILLATION_KEYS = ('verified_propositions', 'critical_pitfalls')
 
 _PLACEHOLDER = re.compile(r'[.\s…]+|<[^<>]*>')
 "An item that only repeats a prompt's placeholder: dots, an ellipsis, or a description in angle brackets."
+_SKELETON = re.compile(r'[\s.…:()\-–>|/,;]*(?:source)?[\s.…:()\-–>|/,;]*', re.IGNORECASE)
+"What is left of a copied skeleton item once its angle-bracket descriptions are gone: arrows, `(Source: )`, punctuation."
 
 def parse_json_lists(text: str | None, keys: Sequence[str]) -> dict[str, list[str]] | None:
     "Lists of strings under `keys` in the model's JSON answer; None when there is no object or none of the keys."
@@ -601,8 +699,7 @@ def parse_json_lists(text: str | None, keys: Sequence[str]) -> dict[str, list[st
         if isinstance(v, (str, Mapping)): v = [v]
         items = []
         for it in v:
-            if isinstance(it, Mapping): it = it.get('text', json.dumps(it, ensure_ascii=False))
-            s = str(it).strip() if it is not None else ''
-            if s and not _PLACEHOLDER.fullmatch(s): items.append(s)
+            s = json_item_text(it)
+            if s and not _PLACEHOLDER.fullmatch(s) and not (s.count('<') and _SKELETON.fullmatch(re.sub(r'<[^<>]*>', '', s))): items.append(s)
         out[k] = items
     return out

@@ -40,7 +40,7 @@ IDENTITY_KEYS = ('method', 'config', 'benchmark', 'problem_ids', 'model', 'backe
 "The parts of `config.json` that must match for a rerun on the same folder to resume it."
 
 _ARROW_TYPES = {'str': pa.string(), 'str?': pa.string(), 'int': pa.int64(), 'bool': pa.bool_(), 'float': pa.float64(),
-                'float?': pa.float64(), 'list<float>': pa.list_(pa.float64())}
+                'float?': pa.float64(), 'list<float>': pa.list_(pa.float64()), 'int?': pa.int64(), 'bool?': pa.bool_()}
 
 def record_schema():
     "The pyarrow schema of `records.parquet`."
@@ -100,7 +100,8 @@ def versions() -> dict:
 CALL_COLUMNS: dict[str, str] = {
     'run': 'str', 'problem_id': 'str', 'iteration': 'int', 'candidate': 'int', 'role': 'str', 'sample': 'int',
     'prompt': 'str', 'reply': 'str', 'prompt_tokens': 'int', 'completion_tokens': 'int', 'finish_reason': 'str',
-    'cached': 'bool', 'start': 'float', 'end': 'float', 'queue_s': 'float?'}
+    'cached': 'bool', 'start': 'float', 'end': 'float', 'queue_s': 'float?',
+    'max_new_tokens': 'int?', 'context_retry': 'bool?'}   # asked of a server once fitted to its context; asked again after its refusal
 "The columns of `calls.parquet` (column name -> type, '?' for one that may be null): one row per sample of every model call."
 
 def call_schema():
@@ -207,6 +208,8 @@ def calls_frame(rows):
     for col, kind in CALL_COLUMNS.items():
         if kind == 'int': df[col] = df[col].astype('int64')
         elif kind == 'bool': df[col] = df[col].astype(bool)
+        elif kind == 'bool?': df[col] = df[col].astype(object).where(df[col].notna(), False).astype(bool)   # older rows: no second try
+        elif kind == 'int?': df[col] = pd.to_numeric(df[col], errors='coerce').astype('Int64')
         elif kind in ('float', 'float?'): df[col] = pd.to_numeric(df[col], errors='coerce').astype('float64')
         else: df[col] = df[col].astype(object).where(df[col].notna(), None)
     return df
@@ -428,8 +431,10 @@ def summary(self:Run) -> dict:
     return s
 
 # %% ../nbs/24a_run_folder.ipynb #a1f31675
+_LATER_CALL_COLUMNS = ('max_new_tokens', 'context_retry')   # calls.parquet of older versions lacks them: read as unknown / False
+
 def _checked(df, columns, path: Path):
-    missing = [c for c in columns if c not in df.columns]
+    missing = [c for c in columns if c not in df.columns and c not in _LATER_CALL_COLUMNS]
     if missing: raise ValueError(f"{path}: missing column(s) {missing}; it was written by an older version, rerun `tmas run` into a new --out folder")
     return df
 

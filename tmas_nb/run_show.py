@@ -247,10 +247,31 @@ def distilled_node(update: dict, bank_event: dict | None, full: bool = False) ->
 
 # %% ../nbs/24f_run_show.ipynb #c7dc2ba7
 def rse_distillations(view: RunView, problem_id: str, iteration: int) -> dict[int, tuple]:
-    "Per trajectory of an RSE round: (its distillation update, the bank's event for it or None)."
+    "Per trajectory of an RSE round: (its distillation update, its share of the bank's event or None): a round merged at once (one event) is split by the items each trajectory proposed; older runs wrote one event per usable distillation."
     ups = view.memory_of(problem_id, iteration, 'distillation')        # one per trajectory, in order
-    events = iter(view.bank_events(problem_id, iteration, 'rse'))       # one per usable distillation, in the same order
-    return {k: (u, next(events, None) if u['ok'] else None) for k, u in enumerate(ups)}
+    events = view.bank_events(problem_id, iteration, 'rse')
+    if len(events) != 1:
+        it = iter(events)
+        return {k: (u, next(it, None) if u['ok'] else None) for k, u in enumerate(ups)}
+    return {k: (u, share) for k, (u, share) in enumerate(zip(ups, _round_shares(events[0], ups)))}
+
+def _round_shares(event: dict, ups: list[dict]) -> list[dict | None]:
+    "The part of one round's bank event that each distillation proposed: the items it added first; each merge of this round's items to the first distillation that proposed the text without adding it."
+    key, lists = (lambda t: ' '.join(str(t).split()).casefold()), (('propositions', 'verified_propositions'), ('pitfalls', 'critical_pitfalls'))
+    mine = [{n: {key(x) for x in (u.get('answer') or {}).get(k, [])} for n, k in lists} if u['ok'] else None for u in ups]
+    adder = {}
+    for k, m in enumerate(mine):
+        for n, _ in lists:
+            for x in event.get('added', {}).get(n, []):
+                if m is not None and key(x) in m[n]: adder.setdefault((n, key(x)), k)
+    out = [None if m is None else {'round': event.get('round'), 'added': {n: [] for n, _ in lists}, 'merged': {n: [] for n, _ in lists}} for m in mine]
+    for (n, kx), k in adder.items(): out[k]['added'][n].append(next(x for x in event['added'][n] if key(x) == kx))
+    for n, _ in lists:
+        for mr in event.get('merged', {}).get(n, []):
+            t = key(mr['text'])
+            k = next((k for k, m in enumerate(mine) if m is not None and t in m[n] and adder.get((n, t)) != k), None)
+            if k is not None and mr.get('round') == event.get('round'): out[k]['merged'][n].append(mr)
+    return out
 
 # %% ../nbs/24f_run_show.ipynb #f3e34c05
 def iteration_head(view: RunView, problem_id: str, iteration: int, g: pd.DataFrame) -> str:

@@ -24,7 +24,9 @@ from .methods import DISTILL_CONTEXT, METHODS, MethodConfig, make_method, run_me
 from .estimates import (RunEstimate, calibration_hint, engine_line, estimate_lines, estimate_run, fmt_seconds, planned_calls,
                                served_speed)
 from .progress import RunProgress
-from .presets import PAPER_TOKEN_BUDGET, PRESETS, PROTOCOLS, OWN_PAPER, JUDGE_HINT, RSE_SAMPLINGS, preset_values, paper_table
+from .presets import PAPER_TOKEN_BUDGET, PRESETS, PROTOCOLS, OWN_PAPER, JUDGE_HINT, RSE_SAMPLINGS, ARM_EPSILON, preset_values, paper_table
+from .prompts import read_templates, template_set
+from .grading import CUT_READINGS, add_cut_reading_flag
 from .settings import ModelSettings, OutputSettings, add_settings, read_json, resolve
 from .replay.live_run import LIVE_FLAG_FIELDS, ControllerMethod, controller_cli
 from .run_folder import (
@@ -36,15 +38,15 @@ from .cli import error_message
 from asyncio import CancelledError
 
 # %% auto #0
-__all__ = ['METHOD_ROLES', 'ARM_SOURCES', 'STRUCTURE', 'ENDPOINT_ROLES', 'LONG_CPU_RUN_S', 'RUNS_FILE', 'CUT_WARNING', 'CUT_COST',
-           'PRESET_HELP', 'record_server', 'resolve_auto_backend', 'check_run_files', 'RunOptions', 'sampling_by_role',
-           'run_record', 'start_run', 'RunInterrupted', 'stop_reason', 'record_stop', 'sync_run', 'context_of',
-           'model_context_length', 'cap_to_context', 'layer_settings', 'distiller_context', 'tmas_arm',
-           'paper_differences', 'custom_line', 'protocol_of', 'protocol_name', 'parse_role_endpoint',
-           'parse_role_endpoints', 'RunPlan', 'plan_run', 'check_run_model', 'check_served_model', 'check_long_run',
-           'summary_line', 'run_independent', 'run_folders', 'independent_runs', 'pass_at_1_by_run',
-           'distillation_parts', 'cut_warning', 'run_facts', 'facts_lines', 'summary_text', 'run_cli', 'runs_table',
-           'effective_defaults', 'summary_cli', 'list_cli', 'config_from_args']
+__all__ = ['METHOD_ROLES', 'ARM_SOURCES', 'STRUCTURE', 'GUIDELINE_RULES', 'ENDPOINT_ROLES', 'LONG_CPU_RUN_S', 'RUNS_FILE',
+           'CUT_WARNING', 'CUT_COST', 'PRESET_HELP', 'record_server', 'resolve_auto_backend', 'check_run_files',
+           'RunOptions', 'sampling_by_role', 'run_record', 'start_run', 'RunInterrupted', 'stop_reason', 'record_stop',
+           'sync_run', 'context_of', 'model_context_length', 'cap_to_context', 'layer_settings', 'distiller_context',
+           'tmas_arm', 'paper_differences', 'custom_line', 'protocol_of', 'protocol_name', 'run_choices',
+           'parse_role_endpoint', 'parse_role_endpoints', 'RunPlan', 'plan_run', 'check_run_model',
+           'check_served_model', 'check_long_run', 'summary_line', 'run_independent', 'run_folders', 'independent_runs',
+           'pass_at_1_by_run', 'distillation_parts', 'cut_warning', 'run_facts', 'facts_lines', 'summary_text',
+           'run_cli', 'runs_table', 'effective_defaults', 'summary_cli', 'list_cli', 'config_from_args']
 
 # %% ../nbs/24_runs.ipynb #b7682649
 from .core import terminal_safe
@@ -304,8 +306,8 @@ def _config_file(path, method: str) -> dict:
 # %% ../nbs/24_runs.ipynb #b11d21eb
 def layer_settings(method: str, preset: str | None = None, config_path=None, flags: dict | None = None, model: str = 'default',
                    backend: str = 'auto', *, base_url: str | None = None, api_key: str | None = None,
-                   rse_row: str | None = None) -> tuple[MethodConfig, dict]:
-    "(the method's config, the further parts of config.json): defaults -> `preset` (with the backbone's own adaptations) -> `--config` -> `flags`; `base_url`: where a served model's context is read."
+                   rse_row: str | None = None, templates: str | None = None) -> tuple[MethodConfig, dict]:
+    "(the method's config, the further parts of config.json): defaults -> `preset` (with the backbone's own adaptations) -> `--config` -> `flags`; `base_url`: where a served model's context is read; `templates`: a file of prompt templates (`--templates`)."
     if method not in METHODS: raise ValueError(f"--method {method!r} is unknown; use one of {', '.join(METHODS)}")
     paper = OWN_PAPER.get(method, preset) if preset == 'paper' else preset
     if rse_row is not None and (method != 'rse' or paper != 'tmas-paper'):
@@ -325,6 +327,7 @@ def layer_settings(method: str, preset: str | None = None, config_path=None, fla
         if fld not in names: raise ValueError(f"--{fld.replace('_', '-')} does not apply to --method {method} (its settings: {sorted(names)})")
         given[fld] = v
     settings.update(given)
+    if templates: settings['templates'] = {**(settings.get('templates') or {}), **read_templates(templates)}
     if method == 'tmas' and settings.get('use_guidelines') is False and 'epsilon' not in given and 'epsilon' in settings:
         del settings['epsilon']           # the arm without guidelines: ε = 0 (TMASConfig), not the preset's 0.2
         sources['epsilon'] = ARM_SOURCES['no-explore']
@@ -336,15 +339,19 @@ def layer_settings(method: str, preset: str | None = None, config_path=None, fla
         settings['distill_context'], record['distill_context_source'], note = distiller_context(endpoints, model, backend, base_url, api_key)
         notes += [note] if note else []
     config = cls.from_dict(settings, where=f'--method {method} settings')
-    record['protocol'] = protocol_of(preset, method, config, model, backend, base_url, rse_row)
+    record['protocol'] = protocol_of(preset, method, config, model, backend, base_url, rse_row, Path(templates).stem if templates else None)
     if record['protocol'].get('differs'): notes.append(custom_line(record['protocol']['differs']['value']))
     return config, record
 
 # %% ../nbs/24_runs.ipynb #10c30d4f
 def _capped(tokens: int, model: str, backend: str, preset: str | None, base_url: str | None = None,
             api_key: str | None = None) -> tuple[int, str | None]:
-    "A preset's token budget capped by the model's context (read from the server at `base_url` for a served model), and the note that says so."
+    "A preset's token budget capped by the model's context, and the note that says so; a served model's client fits each call to the served context instead (`OpenAIBackend.fit_request`), so its budget stays."
     ctx, where = context_of(model, backend, base_url, api_key)
+    if backend == 'openai':
+        if ctx is None or ctx > tokens: return tokens, None
+        return tokens, (f"--preset {preset}: max_new_tokens {tokens}; the served context is {ctx} tokens ({where}), so each call "
+                        f"asks for at most that less its counted prompt")
     capped = cap_to_context(tokens, ctx)
     if capped != tokens: return capped, f"--preset {preset}: max_new_tokens {tokens} capped to {capped} by the model's context of {ctx} tokens ({where})"
     if ctx is None: return tokens, f"--preset {preset}: the model's context is unknown here; max_new_tokens stays {tokens}"
@@ -362,7 +369,7 @@ def distiller_context(endpoints: dict, model: str, backend: str, base_url: str |
 
 # %% ../nbs/24_runs.ipynb #c4edb664
 ARM_SOURCES = {
-    'no-explore': "TMAS §5.3: the arm without guidelines has It1 equal to the full system's It0, which fits no explore branch: ε = 0",
+    'no-explore': ARM_EPSILON.source,
     'fresh-explore': "named variant (our earlier default for this arm): ε kept, and the explore branch draws fresh samples with no guideline to avoid",
     'full': 'TMAS as published: both banks', 'ablation': 'TMAS §5.3 component ablation'}
 "Why a TMAS arm runs as it does, recorded with its label."
@@ -389,7 +396,8 @@ def paper_differences(method: str, config: MethodConfig, model: str = 'default',
         table = {k: c.value for k, c in paper_table(paper, model).get(method, {}).items() if k != 'frame' and k in ours}
         shape = [k for k in STRUCTURE if k in table]
         if not shape or any(ours[k] != table[k] for k in shape): continue
-        if 'max_new_tokens' in table: table['max_new_tokens'] = cap_to_context(table['max_new_tokens'], model_context_length(model, backend, base_url))
+        if 'max_new_tokens' in table and backend != 'openai':   # a served model's calls are fitted one by one: the budget stays
+            table['max_new_tokens'] = cap_to_context(table['max_new_tokens'], model_context_length(model, backend, base_url))
         diff = {k: [ours[k], v] for k, v in table.items() if ours[k] != v and not (k == 'role_sampling' and _same_roles(ours[k], v))}
         return {'paper': paper, 'settings': diff} if diff else None
     return None
@@ -406,14 +414,15 @@ def custom_line(differs: dict) -> str:
 
 # %% ../nbs/24_runs.ipynb #bbe87ff5
 def protocol_of(preset: str | None, method: str, config: MethodConfig | None = None, model: str = 'default', backend: str = 'auto',
-                base_url: str | None = None, rse_row: str | None = None) -> dict:
-    "The run's `protocol` record: its name, what the paper fixes beyond this run (independent runs, grading), the assumed values, the TMAS arm, RSE's sampling, and for a run that looks like a paper run without being one, where it differs."
+                base_url: str | None = None, rse_row: str | None = None, templates_name: str | None = None) -> dict:
+    "The run's `protocol` record: its name, what the paper fixes beyond this run (independent runs, grading), the assumed values, the TMAS arm, RSE's sampling, the run's choices (`run_choices`), and for a run that looks like a paper run without being one, where it differs."
     p = OWN_PAPER.get(method, preset) if preset == 'paper' else preset
     out = {}
     if p in PROTOCOLS:
         out['name'] = {'value': p, 'source': f'--preset {preset}'}
         out.update({k: {'value': c.value, 'source': c.source} for k, c in PROTOCOLS[p].items()})
         assumed = {k: c.source for k, c in paper_table(p, model, rse_row or 'rse').get(method, {}).items() if c.assumed}
+        if method == 'tmas' and config is not None and not config.use_guidelines and config.epsilon == 0: assumed['epsilon'] = ARM_EPSILON.source
         if assumed: out['assumed'] = {'value': assumed, 'source': 'values the paper leaves open (tmas_nb.presets.preset_table), each with the reason for it'}
         if method == 'rse' and p == 'tmas-paper':
             out['rse_sampling'] = {'value': rse_row or 'rse', 'source': "--rse-sampling: RSE's own row for the backbone ('rse', the default) or TMAS's sampling ('tmas')"}
@@ -424,7 +433,7 @@ def protocol_of(preset: str | None, method: str, config: MethodConfig | None = N
     if method == 'tmas' and config is not None:
         label, why = tmas_arm(config)
         out['arm'] = {'value': label, 'source': why}
-    return out
+    return {**out, **(run_choices(method, config, backend, templates_name) if config is not None else {})}
 
 def protocol_name(config: dict) -> str:
     "The protocol a run's `config.json` records: 'tmas-paper', 'rse-paper', 'cpu-demo' or 'custom' (a run without a preset, or written before runs recorded it)."
@@ -435,9 +444,30 @@ def protocol_name(config: dict) -> str:
     preset = config.get('preset')
     return OWN_PAPER.get(config.get('method'), preset) if preset == 'paper' else preset or 'custom'
 
+# %% ../nbs/24_runs.ipynb #6d6cc06f
+GUIDELINE_RULES = {'append': "TMAS §3 and its prompt appendix: the guideline bank is append-only (tmas_nb.memory.GuidelineBank.update)",
+                   'replace': "TMAS released code/guideline.py: the agent's updated_guidelines replace the list (GuidelineBank.replace)"}
+_CUT_NAMES = {False: 'none', True: 'box', 'release': 'release'}
+
+def run_choices(method: str, config, backend: str = 'auto', templates_name: str | None = None) -> dict:
+    "The run's choices where the papers and their releases differ or leave room, each {'value', 'source'}: cut outputs, prompt templates, TMAS's guideline rule, RSE's bank de-duplication and retries, a served call's fit to the context."
+    cut = getattr(config, 'answer_from_truncated', False)
+    out = {'cut_outputs': {'value': _CUT_NAMES[cut], 'source': 'how an output cut by the token limit is graded: ' + CUT_READINGS[cut]},
+           'templates': {'value': template_set(getattr(config, 'templates', None), templates_name),
+                         'source': "the prompt templates (tmas_nb.prompts.template_set: a name, the SHA-256 of the whole set, those that differ from the package's)"}}
+    if method == 'tmas': out['guideline_bank'] = {'value': config.guideline_update, 'source': GUIDELINE_RULES[config.guideline_update]}
+    if method == 'rse':
+        out['bank_dedup'] = {'value': 'release', 'source': "RSE release code/experience_dedup.py --keep-order: each round's items with the bank, "
+                             "this round's first and longest first, the bank's order kept (tmas_nb.memory.merge_round)"}
+        out['distill_retries'] = {'value': config.memory_retries, 'source': "a distillation without JSON asked again this many times (RSE's release: 5)"}
+    if backend == 'openai':
+        out['context_fit'] = {'value': 'per call: min(max_new_tokens, served context - counted prompt - margin); a context-length 400 shrinks it once',
+                              'source': 'tmas_nb.llm.openai_backend.OpenAIBackend.fit_request and shrink_request (OpenAIClientSettings.fit_context)'}
+    return out
+
 # %% ../nbs/24_runs.ipynb #bb9b1f15
 ENDPOINT_ROLES = {'solution': 'solution', 'verification': 'verification', 'summary': 'summary', 'experience': 'experience',
-                  'guideline': 'guideline', 'distiller': 'distillation'}
+                  'guideline': 'guideline', 'distiller': 'distillation', 'validator': 'validation'}
 "Roles that may have an endpoint of their own: the name on the command line -> the role of its requests."
 
 def parse_role_endpoint(text: str, where: str = '--role-endpoint') -> tuple[str, dict]:
@@ -511,7 +541,7 @@ def plan_run(args) -> RunPlan:
     flags = {f: getattr(args, f, None) for f in _FLAG_FIELDS}
     flags['role_endpoints'] = parse_role_endpoints(args.role_endpoint or [], '--role-endpoint')
     config, record = layer_settings(args.method, args.preset, args.config, flags, ms.model, ms.backend, base_url=ms.base_url,
-                                    api_key=ms.api_key, rse_row=getattr(args, 'rse_sampling', None))
+                                    api_key=ms.api_key, rse_row=getattr(args, 'rse_sampling', None), templates=getattr(args, 'templates', None))
     runs = getattr(args, 'runs', None)
     if runs is None: runs = int(((record.get('protocol') or {}).get('independent_runs') or {}).get('value') or 1)
     if runs < 1: raise ValueError(f"--runs must be >= 1, got {runs}")
@@ -770,11 +800,12 @@ def _cmd_summary(args) -> int:
     return 0
 
 # %% ../nbs/24_runs.ipynb #376861c2
-PRESET_HELP = ("tmas-paper: every method as in TMAS's comparison (TMAS N=8, M=8, T=20, eps=0.2, 128K tokens capped by the "
-               "model's context, temperature 1.0 / 0.6 for summary and memory agents, top-p 0.95; MV@64; Self-Refine, V-R, "
+PRESET_HELP = ("tmas-paper: every method as in TMAS's comparison (TMAS N=8, M=8, T=20, eps=0.2, 128K tokens (a served "
+               "model's calls fitted each to the room its prompt leaves; a local model's capped by its context), temperature 1.0 / 0.6 for summary and memory agents, top-p 0.95; MV@64; Self-Refine, V-R, "
                "PaCoRe, RSE with 8 per round over 20 iterations); rse-paper: as in RSE's comparison (K=32, 1 + 3 rounds, "
                "tau 0.8 on MiniLM; MV@128; sampling over 1,024; Self-Refine and PaCoRe in the same frame; the sampling of the "
-               "model's family, e.g. Qwen3-Thinking T=0.6, top-p 0.95, top-k 20, 38,912 tokens); paper: the method's own "
+               "model's family, e.g. Qwen3-Thinking T=0.6, top-p 0.95, top-k 20, 38,912 tokens; cut rollouts graded as RSE's release "
+               "reads them; 5 distillation retries); paper: the method's own "
                "paper; cpu-demo: minutes on a 2-core CPU with --limit 2 (TMAS N=2, M=1, T=2; RSE K=2, R=2; others N=2, T=2; 256 tokens, the hashing embedder). "
                "--config and flags override the preset; see tmas_nb.presets for the source of every number")
 
@@ -809,6 +840,9 @@ def run_cli(p) -> None:
     p.add_argument('--progress-every', dest='progress_every', type=float, default=30.0, metavar='SECONDS',
                    help='when stderr is a log (not a terminal): one progress line every SECONDS (default: 30)')
     p.add_argument('--config', default=None, help="JSON file of method settings (or a run's config.json); may hold role_endpoints")
+    p.add_argument('--templates', default=None, metavar='FILE',
+                   help="JSON file of prompt templates {name: text} replacing the package's (e.g. rse_distill, rse_experience_block); "
+                        "the run's protocol records the file's name and the SHA-256 of the set that ran")
     add_settings(p, OutputSettings, skip=('json',), title='output')
     controller_cli(p)
     p.set_defaults(func=_cmd_run)
@@ -882,8 +916,7 @@ def _method_flags(p) -> None:
     p.add_argument('--temperature', type=float, default=None, help='sampling temperature' + effective_defaults('temperature'))
     p.add_argument('--top-p', dest='top_p', type=float, default=None, help='nucleus sampling' + effective_defaults('top_p'))
     p.add_argument('--top-k', dest='top_k', type=int, default=None, help='top-k sampling (None: off)' + effective_defaults('top_k'))
-    p.add_argument('--answer-from-truncated', dest='answer_from_truncated', action='store_true', default=None,
-                   help='grade an output cut off by the token limit by its last finished \\boxed{} (default: it has no answer)')
+    add_cut_reading_flag(p, default=None)
 
 def summary_cli(s) -> None:
     "The flags of `tmas runs summary`."
@@ -901,4 +934,5 @@ def config_from_args(method: str, args) -> MethodConfig:
     "The method's config from parsed `tmas run` flags (`layer_settings` on them)."
     flags = {f: getattr(args, f, None) for f in _FLAG_FIELDS}
     return layer_settings(method, getattr(args, 'preset', None), getattr(args, 'config', None), flags,
-                          getattr(args, 'model', None) or 'default', getattr(args, 'backend', None) or 'auto')[0]
+                          getattr(args, 'model', None) or 'default', getattr(args, 'backend', None) or 'auto',
+                          templates=getattr(args, 'templates', None))[0]

@@ -149,6 +149,8 @@ class Completion:
     latency_s: float = 0.0
     cached: bool = False
     logprobs: list[dict] | None = None   # per token {'id', 'logprob', 'top': [[id, logprob], ...]} when the request asked
+    max_new_tokens: int | None = None    # the new tokens asked of a server for it, once fitted to the served context (None: the request's)
+    context_retry: bool = False          # asked again with fewer new tokens after the server refused the call for its context
 
     @classmethod
     def from_raw(cls, raw: str, opens_in_prompt: bool = False, **kw) -> Completion:

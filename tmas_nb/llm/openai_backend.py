@@ -6,6 +6,7 @@
 from __future__ import annotations
 import asyncio, collections, dataclasses, email.utils, json, os, random, re, time, weakref
 from dataclasses import dataclass, fields
+from typing import Mapping
 
 import httpx
 from fastcore.basics import patch
@@ -17,7 +18,7 @@ from .models import resolve_model as local_model_path
 __all__ = ['TOKEN_COUNT_SOURCES', 'EXACT_SOURCES', 'DEFAULT_BASE_URL', 'SHARD_CONNECTIONS', 'request_body', 'parse_choices',
            'LLMRequestError', 'backoff_delay', 'parse_retry_after', 'n_limit_from_refusal', 'updated_settings',
            'OpenAIClientSettings', 'OpenAIBackend', 'served_models', 'model_refusal', 'served_context_length',
-           'ClientShards']
+           'ClientShards', 'context_refusal']
 
 # %% ../../nbs/13_llm_openai.ipynb #1e0bef65
 def request_body(model: str, request: Request, n: int | None = None, seed: int | None = None,
@@ -200,12 +201,17 @@ class OpenAIClientSettings:
     backoff_max: float = 30.0            # and never exceeds this
     max_retry_after: float = 120.0       # the longest `Retry-After` wait obeyed
     max_n_per_call: int | None = None    # samples per call when the server's limit is known up front (else learnt)
+    fit_context: bool = True             # ask each call for at most the served context less its counted prompt and `context_margin`
+    context: int | None = None           # the served context in tokens; None: read from GET /v1/models (or /props) on first need
+    context_margin: int = 16             # tokens kept free beyond the counted prompt
 
     def __post_init__(self):
         if self.max_concurrency < 1: raise ValueError(f"OpenAIBackend: max_concurrency must be >= 1, got {self.max_concurrency}")
         if self.max_retries < 0: raise ValueError(f"OpenAIBackend: max_retries must be >= 0, got {self.max_retries}")
         if self.max_n_per_call is not None and self.max_n_per_call < 1:
             raise ValueError(f"OpenAIBackend: max_n_per_call must be None or >= 1, got {self.max_n_per_call}")
+        if self.context is not None and self.context < 1: raise ValueError(f"OpenAIBackend: context must be None or >= 1 tokens, got {self.context}")
+        if self.context_margin < 0: raise ValueError(f"OpenAIBackend: context_margin must be >= 0, got {self.context_margin}")
         self.timeout, self.connect_timeout = float(self.timeout), float(self.connect_timeout)
 
 # %% ../../nbs/13_llm_openai.ipynb #39c6172c
@@ -231,7 +237,8 @@ class OpenAIBackend(LLM):
         self._tokenize_path = None             # the server's tokenize endpoint once found; False when it has none
         self.extra_body, self.headers = dict(extra_body or {}), dict(headers or {})
         self.stats = dict(http_calls=0, retries=0, top_up_calls=0, split_calls=0, n_refusals=0,
-                          estimated_samples=0, tokenize_calls=0, failures=0)
+                          estimated_samples=0, tokenize_calls=0, failures=0, context_fits=0, context_retries=0)
+        self._context_asked, self._chat_tokenize = self.context is not None, None   # served context read; tokenize route works
         self.errors = collections.deque(maxlen=100)    # (time, request, error) of failed attempts, newest last
         self.in_flight = 0                             # HTTP calls on the wire now (a progress line shows it)
         self._per_loop = weakref.WeakKeyDictionary()   # event loop -> (httpx.AsyncClient, Semaphore, Lock)
@@ -326,10 +333,11 @@ def token_count_source(self:OpenAIBackend) -> str | None:
 # %% ../../nbs/13_llm_openai.ipynb #4a5576c5
 @patch
 def record(self:OpenAIBackend) -> dict:
-    "What a run should record about the server: the served model, token-count sources and the learnt `n` limit."
+    "What a run should record about the server: the served model, token-count sources, the learnt `n` limit, and the served context with the calls fitted to it."
     return {'served_model': self.served_model, 'token_count_source': self.token_count_source,
             'token_sources': dict(self.token_sources), 'n_per_call': self.n_per_call,
-            'max_n_per_call': self.max_n_per_call, 'base_url': self.base_url}
+            'max_n_per_call': self.max_n_per_call, 'base_url': self.base_url, 'served_context': self.context,
+            'context_fits': self.stats['context_fits'], 'context_retries': self.stats['context_retries']}
 
 # %% ../../nbs/13_llm_openai.ipynb #714fdcf1
 @patch
@@ -523,29 +531,6 @@ async def _count_tokens(self:OpenAIBackend, texts: list[str]) -> tuple[list[int]
     self._tokenize_path = False            # the server has no tokenize endpoint: stop asking
     return None, 'estimated'
 
-# %% ../../nbs/13_llm_openai.ipynb #8cafc11b
-@patch
-async def _chat(self:OpenAIBackend, request: Request, n: int, seed: int | None) -> list[Completion]:
-    "One HTTP call for `n` samples of `request`, with their token counts made exact where the server allows."
-    model = await self.resolve_model()
-    body = request_body(model, request, n=n, seed=seed, extra_body=self.extra_body)
-    if self.token_counts == 'logprobs' and n > 1: body.setdefault('logprobs', True)
-    what = f"request role={request.role!r} ({_first_words(request)!r}, n={n})"
-    t0 = time.perf_counter()
-    path = '/chat/completions' if request.prompt is None else '/completions'
-    data = await self._call('POST', path, body, role=request.role, what=what,
-                            headers={'X-TMAS-Role': request.role})
-    cs, sources = parse_choices(data, time.perf_counter() - t0, body.get('max_completion_tokens') or body.get('max_tokens'))
-    if data.get('model'): self.served_models[str(data['model'])] += 1
-    todo = [i for i, s in enumerate(sources) if s is None]
-    if todo and self.token_counts != 'usage':
-        counts, how = await self._count_tokens([cs[i].raw for i in todo])
-        for i, k in zip(todo, counts or []): cs[i].completion_tokens, sources[i] = k, how
-    sources = [s or 'estimated' for s in sources]
-    self.stats['estimated_samples'] += sources.count('estimated')
-    self.token_sources.update(sources)
-    return cs
-
 # %% ../../nbs/13_llm_openai.ipynb #ae714038
 @patch
 async def _post_optional(self:OpenAIBackend, path: str, body: dict) -> dict | None:
@@ -588,6 +573,129 @@ async def detokenize(self:OpenAIBackend, ids: list[int]) -> str:
     if not isinstance(text, str):
         raise LLMRequestError(f"{self.base_url} has no detokenize endpoint (POST /detokenize)", role='tokenize')
     return text
+
+# %% ../../nbs/13_llm_openai.ipynb #f4690f35
+_CONTEXT_WORDS = re.compile(r"context length|context window|context size|context is \d|max_model_len|maximum model length|"
+                            r"prompt is too long|input is too long|exceeds? the (?:available |maximum )?context|"
+                            r"\bmax_tokens\b.{0,60}(?:too large|at most|above this server's limit)", re.IGNORECASE)
+_CONTEXT_NUMBERS = {
+    'context': r"(?:context length|context size|context window|context|max_model_len)\s*(?:is|of|=|:)?\s*\(?(\d[\d,]*)",
+    'prompt': r"(\d[\d,]*) (?:tokens )?in the (?:messages|prompt|input)|(?:has|with) (\d[\d,]*) (?:input|prompt) tokens|"
+              r"prompt has (\d[\d,]*)|(\d[\d,]*) tokens from the input",
+    'room': r"lower max_tokens to (\d[\d,]*)",
+    'limit': r"max_tokens (?:must be )?at most (\d[\d,]*)"}
+
+def context_refusal(message: str | None) -> dict | None:
+    "What a server's 400 for a call too long for its context says: {'context', 'prompt', 'room', 'limit'} in tokens (None where it does not say); None when it is another refusal."
+    if not message or not _CONTEXT_WORDS.search(message): return None
+    def num(pat):
+        m = re.search(pat, message, re.IGNORECASE)
+        return int(next(g for g in m.groups() if g).replace(',', '')) if m else None
+    return {k: num(p) for k, p in _CONTEXT_NUMBERS.items()}
+
+# %% ../../nbs/13_llm_openai.ipynb #63798328
+@patch
+async def served_context(self:OpenAIBackend, fresh: bool = False) -> int | None:
+    "The served context in tokens: `context` when given, else what the server reports (`served_context_length`), asked once; `fresh`: asked again, and kept when the server says."
+    if not fresh and (self.context or self._context_asked): return self.context
+    self._context_asked = True
+    said = (await asyncio.to_thread(served_context_length, self.base_url, self.model, self.api_key))[0]
+    self.context = said or self.context
+    return self.context
+
+# %% ../../nbs/13_llm_openai.ipynb #00517e19
+def _prompt_bytes(request: Request) -> int:
+    "A bound on the prompt's tokens before any template: its UTF-8 bytes (a token is at least one byte), or its token ids."
+    if isinstance(request.prompt, list): return len(request.prompt)
+    text = request.prompt if request.prompt is not None else ''.join(m['content'] for m in request.messages)
+    return len(text.encode('utf-8'))
+
+@patch
+async def prompt_tokens(self:OpenAIBackend, request: Request) -> int | None:
+    "Tokens of `request`'s prompt as the served model reads it: a given tokenizer's chat template, else the server's tokenize route; None when neither can say."
+    if isinstance(request.prompt, list): return len(request.prompt)
+    if self.tokenizer is not None:
+        tok = self._local_tokenizer()
+        if request.prompt is not None: return len(tok.encode(request.prompt, add_special_tokens=False))
+        if not hasattr(tok, 'apply_chat_template'): return None
+        kw = {} if request.enable_thinking is None else {'enable_thinking': bool(request.enable_thinking)}
+        ids = tok.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=True, **kw)
+        return len(ids['input_ids'] if isinstance(ids, Mapping) else ids)
+    if self._chat_tokenize is False: return None
+    try: ids = await (self.tokenize(text=request.prompt) if request.prompt is not None else
+                      self.tokenize(messages=request.messages, enable_thinking=request.enable_thinking))
+    except LLMRequestError as e:
+        if not e.retryable: self._chat_tokenize = False     # no such route: stop asking
+        return None
+    self._chat_tokenize = True
+    return len(ids)
+
+# %% ../../nbs/13_llm_openai.ipynb #5bdfb9ca
+@patch
+async def fit_request(self:OpenAIBackend, request: Request) -> Request:
+    "`request` asking for at most the served context less its prompt's tokens and `context_margin` (as it is when it fits, the context is unknown or the prompt alone fills it)."
+    if not self.fit_context: return request
+    ctx = await self.served_context()
+    overhead = 16 * len(request.messages) + 64 + self.context_margin        # a chat template's own tokens, generously
+    if not ctx or request.max_new_tokens + _prompt_bytes(request) + overhead <= ctx: return request
+    n = await self.prompt_tokens(request)
+    if n is None: n = -(-_prompt_bytes(request) // 2) + overhead            # nothing counts: two bytes a token
+    room = ctx - n - self.context_margin
+    if room >= request.max_new_tokens or room < 1: return request
+    self.stats['context_fits'] += 1
+    return dataclasses.replace(request, max_new_tokens=room)
+
+# %% ../../nbs/13_llm_openai.ipynb #71a77035
+@patch
+async def shrink_request(self:OpenAIBackend, request: Request, error: LLMRequestError) -> Request | None:
+    "`request` with fewer new tokens after the server refused it for its context (`context_refusal`), as few as the refusal allows; None for another refusal or when nothing would fit."
+    said = context_refusal(error.last_error) if error.status_code == 400 and self.fit_context else None
+    if said is None: return None
+    want, ctx = request.max_new_tokens, said['context'] or await self.served_context(fresh=True)   # a context given wrong is read again
+    n = said['prompt'] or (await self.prompt_tokens(request) if ctx else None)
+    options = [v for v in (said['room'], said['limit'], ctx - n - self.context_margin if ctx and n else None) if v is not None]
+    new = min(options) if options else want // 2
+    return dataclasses.replace(request, max_new_tokens=new) if 1 <= new < want else None
+
+# %% ../../nbs/13_llm_openai.ipynb #8cafc11b
+@patch
+async def _post_chat(self:OpenAIBackend, request: Request, n: int, seed: int | None) -> tuple[dict, float]:
+    "The answer of one HTTP call for `n` samples of `request` as it is, and the seconds it took."
+    model = await self.resolve_model()
+    body = request_body(model, request, n=n, seed=seed, extra_body=self.extra_body)
+    if self.token_counts == 'logprobs' and n > 1: body.setdefault('logprobs', True)
+    what = f"request role={request.role!r} ({_first_words(request)!r}, n={n})"
+    t0 = time.perf_counter()
+    path = '/chat/completions' if request.prompt is None else '/completions'
+    data = await self._call('POST', path, body, role=request.role, what=what, headers={'X-TMAS-Role': request.role})
+    return data, time.perf_counter() - t0
+
+@patch
+async def _chat(self:OpenAIBackend, request: Request, n: int, seed: int | None) -> list[Completion]:
+    "One HTTP call for `n` samples of `request`, its new tokens fitted to the served context (`fit_request`; a context-length refusal shrinks them and asks once more, `shrink_request`), with their token counts made exact where the server allows."
+    request, retried = await self.fit_request(request), False
+    try: data, secs = await self._post_chat(request, n, seed)
+    except LLMRequestError as e:
+        smaller = await self.shrink_request(request, e)
+        if smaller is None: raise
+        request, retried = smaller, True
+        self.stats['context_retries'] += 1
+        try: data, secs = await self._post_chat(request, n, seed)
+        except LLMRequestError as again:
+            again.args = (f"{again.args[0]} (asked again with max_tokens {request.max_new_tokens} after the server's "
+                          f"context-length refusal: {e.last_error[:200]})",)
+            raise
+    cs, sources = parse_choices(data, secs, request.max_new_tokens)
+    for c in cs: c.max_new_tokens, c.context_retry = request.max_new_tokens, retried
+    if data.get('model'): self.served_models[str(data['model'])] += 1
+    todo = [i for i, s in enumerate(sources) if s is None]
+    if todo and self.token_counts != 'usage':
+        counts, how = await self._count_tokens([cs[i].raw for i in todo])
+        for i, k in zip(todo, counts or []): cs[i].completion_tokens, sources[i] = k, how
+    sources = [s or 'estimated' for s in sources]
+    self.stats['estimated_samples'] += sources.count('estimated')
+    self.token_sources.update(sources)
+    return cs
 
 # %% ../../nbs/13_llm_openai.ipynb #e4e5d03f
 @patch
