@@ -37,3 +37,31 @@ def test_every_run_records_the_digest_and_origin_of_its_problem_list(tmp_path):
     rc, out, _ = _cli('run', '--method', 'mv', '--benchmark', 'demo', '--print-config')
     pl = json.loads(out)['protocol']['problem_list']['value']
     assert (pl['problems'], pl['whole_benchmark']) == (30, True) and 'made_by' not in pl
+
+
+# ------------------------------------------------------------------ item 5: the ablation report's commands
+
+def test_the_emitted_no_guideline_command_differs_from_the_full_arm_only_in_the_ablated_settings(tmp_path):
+    "The −guideline command resolves to the full arm's config but for use_guidelines and ε (was: no preset, the Jaccard bank and a non-flag setting lost)."
+    import shlex
+    from tmas_nb.analysis import rerun_command
+    from tmas_nb.cli import build_parser
+    from tmas_nb.data import write_problem_ids
+    from tmas_nb.runs import plan_run
+    ids, own = tmp_path / 'ids.txt', tmp_path / 'own.json'
+    write_problem_ids(ids, ['demo-04', 'demo-02'], {'made by': 'hand'})
+    own.write_text(json.dumps({'memory_retries': 3, 'role_endpoints': {'verification': 'http://127.0.0.1:9/v1'}}))
+    full = plan_run(build_parser().parse_args(['run', '--method', 'tmas', '--preset', 'tmas-paper', '--benchmark', 'demo', '--problem-ids',
+                                               str(ids), '--config', str(own), '--n-candidates', '4', '--backend', 'openai', '--base-url',
+                                               'http://127.0.0.1:8/v1', '--quiet', '--out', str(tmp_path / 'full')]))
+    cmd, files = rerun_command(full.record(), 'runs/no_guideline', tmp_path / 'commands' / 'no_guideline.json', use_guidelines=False, epsilon=0.0)
+    (tmp_path / 'commands').mkdir()
+    for path, text in files.items(): open(path, 'w').write(text)
+    arm = plan_run(build_parser().parse_args(shlex.split(cmd)[1:]))
+    a, b = full.config.to_dict(), arm.config.to_dict()
+    assert {k for k in a if a[k] != b[k]} == {'use_guidelines', 'epsilon'} and (b['use_guidelines'], b['epsilon']) == (False, 0.0)
+    ra, rb = full.record(), arm.record()
+    assert rb['preset'] == 'tmas-paper' and rb['protocol']['name']['value'] == 'tmas-paper' and rb['config']['embedder'] == 'jaccard'
+    assert rb['protocol']['problem_list']['value']['sha256'] == ra['protocol']['problem_list']['value']['sha256']
+    assert (rb['role_endpoints'], rb['base_url'], rb['protocol']['arm']['value']) == (ra['role_endpoints'], ra['base_url'], '−guideline')
+    assert {k for k in ra if ra[k] != rb[k]} <= {'config', 'protocol', 'preset_sources', 'preset_notes'}

@@ -8,6 +8,7 @@ import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -136,6 +137,9 @@ def test_tmas_ablation_report(recorded_runs, summaries, tmp_path):
     missing = pd.read_csv(d / 'missing_runs.csv')
     assert set(missing.variant) == {'−experience', '−guideline'}
     assert missing.command.str.contains('tmas run --method tmas').all()
+    for cmd in missing.command:                     # every setting of the group's run travels: the hashing embedder has no flag
+        cfg = Path(cmd.split('--config ')[1].split()[0])
+        assert json.loads(cfg.read_text())['embedder'] == 'hashing' and cfg.parent == d / 'commands'
     ug = pd.read_csv(d / 'unique_guidelines.csv')
     assert len(ug) == 1 and _finite(ug, ['epsilon', 'mean_unique_guidelines'])   # only the full run keeps guidelines
     s = json.loads((d / 'summary.json').read_text())
