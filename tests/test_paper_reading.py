@@ -65,3 +65,49 @@ def test_the_emitted_no_guideline_command_differs_from_the_full_arm_only_in_the_
     assert rb['protocol']['problem_list']['value']['sha256'] == ra['protocol']['problem_list']['value']['sha256']
     assert (rb['role_endpoints'], rb['base_url'], rb['protocol']['arm']['value']) == (ra['role_endpoints'], ra['base_url'], '−guideline')
     assert {k for k in ra if ra[k] != rb[k]} <= {'config', 'protocol', 'preset_sources', 'preset_notes'}
+
+
+# ------------------------------------------------------------------ item 7: the Hybrid-RL novelty judge
+
+class _ThinkingJudge:
+    "A served judge that thinks whatever it is asked: with a budget under 1,000 tokens its reply ends inside the reasoning."
+    def __init__(self): self.requests = []
+    async def generate(self, requests):
+        from tmas_nb.llm.core import Completion
+        self.requests += requests
+        out = []
+        for r in requests:
+            if r.enable_thinking is False: text = 'A new method.' if r.role == 'strategy' else 'NEW'      # the template switched it off
+            elif r.max_new_tokens < 1000: text = ''                                                   # cut inside its reasoning
+            else: text = 'A new method.' if r.role == 'strategy' else 'NEW'
+            out.append([Completion(text=text, finish_reason='stop' if text else 'length')])
+        return out
+
+
+def test_the_novelty_judge_answers_with_thinking_off_and_room(tmp_path):
+    "The judge's calls ask for thinking off and 4,096 tokens (were 64 and 8 with thinking on: a thinking judge judged nothing new)."
+    import asyncio
+    from tmas_nb.rewards import HybridReward, RolloutNoveltyJudge
+    llm = _ThinkingJudge()
+    hr = HybridReward('hybrid', judge=RolloutNoveltyJudge(llm))
+    logged = {}
+    got = asyncio.run(hr(['p'] * 2, ['Use a colouring argument. \\boxed{1}'] * 2, gold=['1'] * 2, objective=['novelty'] * 2,
+                         guidelines=[['induction on n']] * 2, question=['q'] * 2, log_metric=logged.__setitem__))
+    assert got == [1.0, 1.0] and logged['novelty/judged_new'] == 1.0
+    assert {(r.role, r.enable_thinking, r.max_new_tokens) for r in llm.requests} == {('strategy', False, 4096), ('novelty_judge', False, 4096)}
+
+
+def test_a_step_the_judge_answers_nothing_stops_and_paper_training_needs_its_data(tmp_path):
+    import asyncio
+    import pytest
+    from tmas_nb.llm.core import Completion
+    from tmas_nb.rewards import HybridReward, RolloutNoveltyJudge
+
+    class Silent:
+        async def generate(self, requests): return [[Completion(text='', finish_reason='length')] for _ in requests]
+    hr = HybridReward('hybrid', judge=RolloutNoveltyJudge(Silent()))
+    with pytest.raises(ValueError, match='no verdict on any of the 2 novelty rollouts of this step'):
+        asyncio.run(hr(['p'] * 2, ['Use a colouring argument. \\boxed{1}'] * 2, gold=['1'] * 2, objective=['novelty'] * 2,
+                       guidelines=[['induction on n']] * 2, question=['q'] * 2))
+    rc, _, err = _cli('rl', 'train', '--config', 'paper', '--judge', 'http://127.0.0.1:9/v1', '--out', str(tmp_path / 'p'), '--dry-run')
+    assert rc == 2 and 'the paper trains on its released training rows (RL-training-data.parquet' in err and '--task FILE.parquet' in err
