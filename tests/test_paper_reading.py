@@ -111,3 +111,31 @@ def test_a_step_the_judge_answers_nothing_stops_and_paper_training_needs_its_dat
                        guidelines=[['induction on n']] * 2, question=['q'] * 2))
     rc, _, err = _cli('rl', 'train', '--config', 'paper', '--judge', 'http://127.0.0.1:9/v1', '--out', str(tmp_path / 'p'), '--dry-run')
     assert rc == 2 and 'the paper trains on its released training rows (RL-training-data.parquet' in err and '--task FILE.parquet' in err
+
+
+# ------------------------------------------------------------------ item 10: statistics as the papers state them
+
+def test_table7_tests_rse_against_the_stronger_of_self_refine_and_pacore_per_benchmark_and_the_math_average():
+    "A stronger sampling or MV run is not Table 7's baseline (was: one strongest over every group); the math average is taken per run first."
+    import pandas as pd
+    from tmas_nb.stats import RSE_MATH, table7
+    base = {'rse': 70.0, 'pacore': 66.0, 'self-refine': 68.0, 'mv': 95.0, 'sampling': 90.0}
+    rows = [dict(benchmark=b, model='m', label=l, seed=s, value=v + (j - 1.5) * 4 + s * (0.5 if l == 'rse' else 0.2) + (l == 'pacore') * j * 1.5)
+            for j, b in enumerate(RSE_MATH) for s in range(8) for l, v in base.items()]
+    t = table7(pd.DataFrame(rows)).set_index('benchmark')
+    assert t.loc[list(RSE_MATH), 'baseline'].tolist() == ['self-refine', 'self-refine', 'pacore', 'pacore']     # chosen per benchmark
+    avg = t.loc['math avg']
+    assert (avg.baseline, avg.n_a, avg.n_b, avg.paired_runs) == ('pacore', 8, 8, 8)              # pacore's mean over the four: 68.95, self-refine's 68.7
+    assert abs(avg.mean_a - (70 + 0.5 * 3.5)) < 1e-9 and abs(avg.mean_b - (66 + 2.25 + 0.2 * 3.5)) < 1e-9
+    assert 0 <= avg.paired_p <= 1 and 0 <= avg.welch_p <= 1
+
+
+def test_the_verification_paradox_splits_problems_by_the_judge_when_a_run_has_its_columns():
+    import pandas as pd
+    from tmas_nb.analysis import verification_paradox
+    rec = pd.DataFrame([dict(problem_id=p, iteration=0, candidate=k, correct=p == 'a', mean_score=s, correct_judge0=p == 'b')
+                        for p, ss in (('a', (0.9, 0.7)), ('b', (0.2, 0.4))) for k, s in enumerate(ss)])
+    vp = verification_paradox(rec).set_index('iteration')
+    assert abs(vp.loc['all', 'mean_ever'] - 0.3) < 1e-9 and abs(vp.loc['all', 'mean_never'] - 0.8) < 1e-9      # b is the judged-solved one
+    assert vp.loc['all', 'grading'].startswith('LLM judge') and vp.loc['all', 'delta'] > 0      # by the rules, b is never solved: delta < 0
+    assert verification_paradox(rec, judges=None).set_index('iteration').loc['all', 'delta'] < 0

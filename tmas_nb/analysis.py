@@ -296,9 +296,12 @@ def tokens_by_method(runs: Sequence[RunData]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 # %% ../nbs/30_analysis.ipynb #ad98db23
-def verification_paradox(records: pd.DataFrame) -> pd.DataFrame:
-    "Per iteration and over all iterations ('all'): mean verification score of ever- vs never-correct problems, Δ = never − ever with its 95 % bootstrap interval over problems, Welch t and p."
-    ever = records.groupby('problem_id')['correct'].any()
+def verification_paradox(records: pd.DataFrame, judges: Sequence[str] | str | None = 'auto') -> pd.DataFrame:
+    "Per iteration and over all iterations ('all'): mean verification score of ever- vs never-correct problems (by the judge's columns where the run has them, `judges='auto'`), Δ = never − ever with its 95 % bootstrap interval over problems, Welch t and p."
+    cols = judge_columns(records) if judges == 'auto' else list(judges or [])
+    correct = records[cols].astype(float).mean(axis=1) > 0 if cols else records['correct'].astype(bool)
+    ever = correct.groupby(records['problem_id']).any()
+    grading = f"LLM judge ({len(cols)} verdicts per candidate; correct where their mean is above 0)" if cols else 'rule-based grader'
     scored = records[records['mean_score'].notna()]
     rows = []
     iters = [int(i) for i in sorted(records['iteration'].unique())]
@@ -314,7 +317,8 @@ def verification_paradox(records: pd.DataFrame) -> pd.DataFrame:
         me, mn = (float(e.mean()) if len(e) else float('nan')), (float(n.mean()) if len(n) else float('nan'))
         gd = group_difference(n.values, e.values)
         rows.append({'iteration': str(it), 'mean_ever': me, 'mean_never': mn, 'delta': mn - me, 'delta_low': gd['diff_low'],
-                     'delta_high': gd['diff_high'], 'n_ever': int(len(e)), 'n_never': int(len(n)), 't': t, 'p_value': p, 'note': note})
+                     'delta_high': gd['diff_high'], 'n_ever': int(len(e)), 'n_never': int(len(n)), 't': t, 'p_value': p, 'note': note,
+                     'grading': grading})
     return pd.DataFrame(rows)
 
 # %% ../nbs/30_analysis.ipynb #aed356ca
