@@ -139,3 +139,58 @@ def test_the_verification_paradox_splits_problems_by_the_judge_when_a_run_has_it
     assert abs(vp.loc['all', 'mean_ever'] - 0.3) < 1e-9 and abs(vp.loc['all', 'mean_never'] - 0.8) < 1e-9      # b is the judged-solved one
     assert vp.loc['all', 'grading'].startswith('LLM judge') and vp.loc['all', 'delta'] > 0      # by the rules, b is never solved: delta < 0
     assert verification_paradox(rec, judges=None).set_index('iteration').loc['all', 'delta'] < 0
+
+
+# ------------------------------------------------------------------ item 9: what the AutoTTS explorer sees
+
+def _syn_store(tmp_path):
+    from tmas_nb.discovery import synthetic_store
+    from tmas_nb.replay.authors_api import store_records
+    f = tmp_path / 'Qwen3-4B' / 'syn.json'; f.parent.mkdir(exist_ok=True)
+    f.write_text(json.dumps(store_records(synthetic_store()))); return f
+
+
+def test_the_workspace_holds_the_seeds_traces_and_a_round_keeps_the_controllers_own_trace(tmp_path):
+    "Seed traces beside the seed curves (none of CMC), the contract and template agree on numpy and scipy, and a round's traces carry the controller's own steps (were: curves only; standard library only; environment only)."
+    import re
+    from tmas_nb.discovery import (DiscoveryConfig, ENVIRONMENT_API, METHOD_TEMPLATE, RoundContext, ScriptedLLM, make_workspace,
+                                   run_discovery)
+    traced = METHOD_TEMPLATE.replace("import math\n", "import math\nimport numpy as np\n").replace(
+        "raise NotImplementedError('OptimalController.solve is not written yet')",
+        "self._reset_trace(); self._trace_step('start', beta=self.beta)\n"
+        "        answers = [_safe_full_read(question) for _ in range(1 + int(np.round(self.beta * 7)))]\n"
+        "        self._trace_step('finish', answer=_majority_answer(answers))\n        return _majority_answer(answers)")
+    cfg = DiscoveryConfig(rounds=1, train=[str(_syn_store(tmp_path))], seeds=2, betas=(0.0, 1.0), turns=1)
+    out = tmp_path / 'run'
+    run_discovery(ScriptedLLM([f"```python\n{traced}```\n"]), cfg, out, progress=False)
+    [rec] = [json.loads(l) for l in (out / 'rounds.jsonl').read_text().splitlines()]
+    assert rec['status'] == 'ok', rec
+    seeds = out / 'code_base' / 'history' / 'seed_algorithms' / 'matrix_results_Qwen3-4B' / 'syn_trace_new_api.jsonl'
+    st = [json.loads(l) for l in seeds.read_text().splitlines()]
+    assert {t['method'] for t in st} == {'SC', 'ASC', 'ESC', 'Parallel-Probe'} and not re.search(r'cmc|CMC', seeds.read_text())
+    assert {t['seed'] for t in st} == {0} and all(t['trace'] for t in st)
+    [hist] = [d for d in (out / 'code_base' / 'history').iterdir() if d.name.startswith('r0000')]
+    rt = [json.loads(l) for l in (hist / 'matrix_results_Qwen3-4B' / 'syn_trace_new_api.jsonl').read_text().splitlines()]
+    assert rt and all([s['event'] for s in t['controller_trace']] == ['start', 'finish'] for t in rt)
+    assert all(t['controller_trace'][-1]['answer'] == t['final_answer'] for t in rt) and {t['seed'] for t in rt} == {0}
+    summary = json.loads((out / 'summary.json').read_text())
+    assert summary['traces_cover'].startswith('branch order 0 of 2') and 'numpy and scipy' in summary['libraries']
+    ctx = RoundContext(cfg, out, None, None, [], None)
+    ws = make_workspace(ctx, 1)
+    task = (ws / 'PROMPT.md').read_text()
+    assert 'syn_trace_new_api.jsonl' not in task and '<dataset>_trace_new_api.jsonl beside it: their per-step traces' in task
+    assert (ws / 'code_base' / 'history' / 'seed_algorithms' / 'matrix_results_Qwen3-4B' / 'syn_trace_new_api.jsonl').exists()
+    assert 'branch order (seed) 0 of the run\'s 2' in task and 'controller_trace' in task
+    assert 'the Python standard library, numpy and scipy' in ENVIRONMENT_API and 'TracedMethod' in task
+
+
+def test_the_published_round0_cell_is_set_beside_ours_with_what_was_checked():
+    "Round 0, Qwen3-4B, β 0.8: ours 67,746.27 against the published 67,760 carries its explanation; a truncation is a match."
+    import pandas as pd
+    from tmas_nb.discovery_history import compare_curves
+    theirs = pd.DataFrame(dict(round=0, store=['Qwen3-4B:aime24', 'Qwen3-4B:aime24', 'Qwen3-8B:aime24'], beta=[0.8, 0.9, 0.4],
+                               acc=[36.87, 37.1, 20.0], avg_tokens=[67760.0, 76565.0, 24214.0]))
+    ours = theirs.assign(avg_tokens=[67746.2663, 76565.4, 24214.9987], split='search', error=None)
+    m = compare_curves(ours, theirs)
+    assert m.matches.tolist() == [False, True, True]          # sorted by store, then beta: 4B 0.8, 4B 0.9, 8B 0.4
+    assert 'gives ours for the archived round-0 method.py' in m.note[0] and m.note[1] == m.note[2] == ''
