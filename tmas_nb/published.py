@@ -17,7 +17,7 @@ from .stats import interval_note, pass_at_1_intervals, pooled_rates, problem_rat
 
 # %% auto #0
 __all__ = ['Q30', 'Q4', 'TMAS_GRADING', 'RSE_GRADING', 'TMAS_LABELS', 'TMAS_TABLE1_ITERATIONS', 'TMAS_TABLE1', 'RSE_BENCH',
-           'RSE_TABLE1', 'HARD_SUBSET_RULE', 'SHOWN', 'published', 'problem_list_of', 'hard_subset_departures',
+           'RSE_TABLE1', 'HARD_SUBSET_RULE', 'SHOWN', 'published', 'hard_subset_departures', 'problem_list_of',
            'problem_list_reasons', 'grading_kind', 'beside_ours', 'ours_for_paper', 'comparison_text']
 
 # %% ../nbs/26_published.ipynb #916f8927
@@ -139,13 +139,6 @@ HARD_SUBSET_RULE = {'made by': 'tmas data hard-subset', 'model': 'Qwen3-4B-Think
                     'grading': 'LLM judge'}
 "TMAS §4's IMO-AnswerBench-50: 8 samples of Qwen3-4B-Thinking-2507 per problem, those with fewer than 2 correct, 50 of them (judge grading: assumed)."
 
-def problem_list_of(config: dict) -> dict:
-    "A run's problem list as its protocol records it (`problems`, `sha256`, how it was chosen), else counted and hashed from `problem_ids`."
-    p = (config.get('protocol') or {}).get('problem_list') if isinstance(config.get('protocol'), dict) else None
-    if isinstance(p, dict) and isinstance(p.get('value'), dict) and p['value'].get('sha256'): return p['value']
-    ids = [str(i) for i in config.get('problem_ids') or []]
-    return {'problems': len(set(ids)), 'sha256': problem_list_digest(ids), 'recorded': False}
-
 def hard_subset_departures(made_by: dict | None) -> list[str]:
     "Where a problem-id list's record departs from `HARD_SUBSET_RULE` (a list written with --allow-cut too); [] when it follows it."
     rule = HARD_SUBSET_RULE
@@ -156,6 +149,14 @@ def hard_subset_departures(made_by: dict | None) -> list[str]:
     if not str(made_by.get('grading', '')).startswith(rule['grading']): out.append("graded by rule (paper: an LLM judge)")
     if made_by.get('allow_cut'): out.append("written with --allow-cut")
     return out
+
+# %% ../nbs/26_published.ipynb #21d000a5
+def problem_list_of(config: dict) -> dict:
+    "A run's problem list as its protocol records it (`problems`, `sha256`, how it was chosen), else counted and hashed from `problem_ids`."
+    p = (config.get('protocol') or {}).get('problem_list') if isinstance(config.get('protocol'), dict) else None
+    if isinstance(p, dict) and isinstance(p.get('value'), dict) and p['value'].get('sha256'): return p['value']
+    ids = [str(i) for i in config.get('problem_ids') or []]
+    return {'problems': len(set(ids)), 'sha256': problem_list_digest(ids), 'recorded': False}
 
 # %% ../nbs/26_published.ipynb #a48cd770
 def problem_list_reasons(setting: str, lists) -> list[str]:
@@ -229,7 +230,7 @@ def ours_for_paper(runs: Sequence, judges='auto') -> pd.DataFrame:
     for (bench, model, label), rs in groups.items():
         rates = pooled_rates([problem_rates(r.records, judges) for r in rs])
         protocols = sorted({protocol_name(r.config) for r in rs})
-        lists = {l['sha256']: l for l in map(lambda r: problem_list_of(r.config), rs)}
+        lists = {l['sha256']: l for l in (problem_list_of(r.config) for r in rs)}     # one entry per distinct problem list
         common = dict(benchmark=bench, model=model, our_runs=len(rs), our_grading=_grading_of(rs[0], judges),
                       our_protocol='custom' if 'custom' in protocols else ', '.join(protocols),
                       our_problem_list=json.dumps(list(lists.values()), sort_keys=True, default=str))
