@@ -128,6 +128,7 @@ FLAGS = {
     '--samples': ('samples per problem', {'data hard-subset'}), '--threshold': ('correct-sample threshold', {'data hard-subset'}),
     '--k': ('problems to pick', {'data hard-subset'}),
     '--allow-cut': ('write the subset although more than 5 % of the samples were cut', {'data hard-subset'}),
+    '--rules': ('grade with the rule-based answer check instead of the judge', {'data hard-subset'}),
     # serving
     '--upstream': ('the model server (or in-process model) a gateway sends its inner calls to', {'gateway'}),
     '--upstream-model': ("the model's name on --upstream", {'gateway'}),

@@ -41,6 +41,7 @@ def _config(*argv):
 # ------------------------------------------------------------------ IMO-AnswerBench-50: budget, cut share, judge
 
 HARD = ['data', 'hard-subset', '--benchmark', 'demo', '--model', 'smollm2', '--threads', '1', '--quiet']
+RULES = ['--rules']      # the judge is the default grading; these tests of the budget and the cut share grade by rule
 
 
 def test_hard_subset_defaults_to_the_models_full_budget(tmp_path):
@@ -53,7 +54,7 @@ def test_hard_subset_defaults_to_the_models_full_budget(tmp_path):
 
 def test_hard_subset_refuses_a_subset_of_cut_samples_unless_forced(tmp_path):
     out = tmp_path / 'ids.txt'
-    argv = [*HARD, '--limit', '2', '--samples', '2', '--k', '1', '--max-new-tokens', '4', '--out', str(out)]
+    argv = [*HARD, *RULES, '--limit', '2', '--samples', '2', '--k', '1', '--max-new-tokens', '4', '--out', str(out)]
     rc, _, err = _cli(*argv)
     lines = [l for l in err.strip().splitlines() if not l.startswith('Loading weights')]   # transformers' own bar aside
     assert rc == 2 and len(lines) == 1 and lines[0].startswith('tmas: error: 4 of 4 samples (100.0%) cut by the token limit of 4')
@@ -65,7 +66,7 @@ def test_hard_subset_refuses_a_subset_of_cut_samples_unless_forced(tmp_path):
     assert rc == 0, err
     text = out.read_text()
     assert '# allow_cut: written with --allow-cut although 100.0% of the samples were cut (above 5%)' in text
-    assert '# cut_share: 1.0' in text and '# grading: rule-based answer check' in text
+    assert '# cut_share: 1.0' in text and '# grading: rule-based answer check (--rules' in text
 
 
 def test_hard_subset_grades_through_the_judge(tmp_path):

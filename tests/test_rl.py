@@ -228,7 +228,8 @@ def test_paper_config_and_the_shipped_accelerate_configs(tmp_path, capsys):
     # verl's train_batch_size counts prompts: 128 prompts x 16 rollouts a step, 24,320 prompts in 190 steps, ~5.5 epochs of 4.4K rows
     b = d['batch']
     assert (b['prompts_per_step'], b['rollouts_per_step'], b['prompts_seen'], b['epochs_of_paper_rows']) == (128, 2048, 24_320, 5.53)
-    assert main(['rl', 'train', '--config', 'paper-rollouts-128', '--judge', 'x', '--out', str(tmp_path / 'q'), '--dry-run']) == 0
+    assert main(['rl', 'train', '--config', 'paper-rollouts-128', '--task', 'x.parquet', '--judge', 'x', '--out', str(tmp_path / 'q'),
+                 '--dry-run']) == 0
     d = json.loads(capsys.readouterr().out)
     assert (d['batch']['rollouts_per_step'], d['batch']['epochs_of_paper_rows']) == (128, 0.35) and 'rollouts per step' in d['reading']
     assert 'SGLang' in d['trl_notes']['rollouts by SGLang with FP8'] and 'GPU' in d['needs']

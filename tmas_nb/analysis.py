@@ -4,7 +4,7 @@
 
 # %% ../nbs/30_analysis.ipynb #1a7c135b
 from __future__ import annotations
-import glob, json, os
+import glob, json, os, shlex
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -20,9 +20,9 @@ from .stats import (welch as _welch, significance_vs_baseline, problem_rates, pa
 
 # %% auto #0
 __all__ = ['RunData', 'read_run', 'SMALL_MODELS', 'BENCHMARK_SIZES', 'TRAININGS', 'PAPER_COLUMNS', 'ITEM_KINDS', 'expand_runs',
-           'read_runs', 'config_key', 'benchmark_name', 'is_small_setting', 'backbone', 'setting_note',
-           'tmas_run_command', 'pass_at_1_table', 'iteration_table', 'rates_table', 'pool_runs', 'interval_table',
-           'paired_table', 'paper_comparison', 'total_completion_tokens', 'tokens_by_method', 'verification_paradox',
+           'read_runs', 'config_key', 'benchmark_name', 'is_small_setting', 'backbone', 'setting_note', 'rerun_command',
+           'pass_at_1_table', 'iteration_table', 'rates_table', 'pool_runs', 'interval_table', 'paired_table',
+           'paper_comparison', 'total_completion_tokens', 'tokens_by_method', 'verification_paradox',
            'unique_guidelines', 'bank_sizes', 'pareto_front', 'repeated_runs', 'display_names']
 
 # %% ../nbs/30_analysis.ipynb #d3def5f8
@@ -122,16 +122,32 @@ def setting_note(configs: Sequence[dict]) -> str:
 _FLAGS = {'n_candidates': '--n-candidates', 'n_verifications': '--n-verifications', 'iterations': '--iterations',
           'epsilon': '--epsilon', 'seed': '--seed', 'max_new_tokens': '--max-new-tokens'}
 
-def tmas_run_command(config: dict, out: str, **changes) -> str:
-    "The `tmas run` command for a run like `config` (a config.json) with `changes` to its settings."
-    c = {**(config.get('config') or {}), **changes}
-    parts = ['tmas run', f"--method {config.get('method')}", f"--benchmark {config.get('benchmark')}", f"--model {config.get('model')}"]
-    if config.get('backend') not in (None, 'transformers'): parts.append(f"--backend {config['backend']} --base-url {config.get('base_url')}")
-    if config.get('limit') is not None: parts.append(f"--limit {config['limit']}")
-    parts += [f"{flag} {c[k]}" for k, flag in _FLAGS.items() if k in c and c[k] is not None]
-    extra = {k: v for k, v in changes.items() if k not in _FLAGS}
-    cmd = ' '.join(parts + (['--config FILE.json'] if extra else []) + [f'--out {out}'])
-    return cmd + (f"   # FILE.json: {json.dumps(extra)}" if extra else '')
+def _problems_part(config: dict, ids_file: Path) -> tuple[list[str], dict]:
+    "The flags that choose the problems of the run of `config`, and the id file they need ({path: text}) when only its own list can."
+    pl = ((config.get('protocol') or {}).get('problem_list') or {}).get('value') or {} if isinstance(config.get('protocol'), dict) else {}
+    limit = [f"--limit {config['limit']}"] if config.get('limit') is not None else []
+    if pl.get('file'): return [f"--problem-ids {shlex.quote(str(pl['file']))}"] + limit, {}
+    if pl: return limit, {}
+    return [f"--problem-ids {shlex.quote(str(ids_file))}"], {str(ids_file): ''.join(f"{i}\n" for i in config.get('problem_ids') or [])}
+
+def rerun_command(config: dict, out: str, settings_file, **changes) -> tuple[str, dict[str, str]]:
+    "(the `tmas run` command for the run of `config` (its config.json) with `changes`, the files it reads as {path: text})."
+    proto = config.get('protocol') if isinstance(config.get('protocol'), dict) else {}
+    ir, settings_file = config.get('independent_run') or {}, Path(settings_file)
+    c = {**(config.get('config') or {}), **({'seed': int(ir['seed']) - int(ir['index'])} if ir else {}), **changes}
+    q = lambda v: shlex.quote(str(v))
+    parts = ['tmas run', f"--method {config.get('method')}"] + ([f"--preset {config['preset']}"] if config.get('preset') else [])
+    parts += [f"--benchmark {q(config.get('benchmark'))}", f"--model {q(config.get('model'))}"]
+    if config.get('backend') not in (None, 'transformers'): parts.append(f"--backend {config['backend']}")
+    if config.get('base_url'): parts.append(f"--base-url {q(config['base_url'])}")
+    if config.get('quantize'): parts.append(f"--quantize {config['quantize']}")
+    if (proto.get('rse_sampling') or {}).get('value'): parts.append(f"--rse-sampling {proto['rse_sampling']['value']}")
+    probs, files = _problems_part(config, settings_file.with_suffix('.ids'))
+    parts += probs + ([f"--runs {ir['runs']}"] if ir else ['--runs 1'] if int((proto.get('independent_runs') or {}).get('value') or 1) > 1 else [])
+    parts += [f"{flag} {c[k]}" for k, flag in _FLAGS.items() if c.get(k) is not None]
+    rest = {**{k: v for k, v in c.items() if k not in _FLAGS}, **({'role_endpoints': config['role_endpoints']} if config.get('role_endpoints') else {})}
+    files[str(settings_file)] = json.dumps(rest, indent=1, sort_keys=True) + '\n'
+    return ' '.join(parts + [f"--config {q(settings_file)}", f"--out {q(out)}"]), files
 
 # %% ../nbs/30_analysis.ipynb #9cdcc601
 def pass_at_1_table(runs: Sequence[RunData], judges: Sequence[str] | str | None = 'auto') -> pd.DataFrame:
@@ -280,9 +296,12 @@ def tokens_by_method(runs: Sequence[RunData]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 # %% ../nbs/30_analysis.ipynb #ad98db23
-def verification_paradox(records: pd.DataFrame) -> pd.DataFrame:
-    "Per iteration and over all iterations ('all'): mean verification score of ever- vs never-correct problems, Δ = never − ever with its 95 % bootstrap interval over problems, Welch t and p."
-    ever = records.groupby('problem_id')['correct'].any()
+def verification_paradox(records: pd.DataFrame, judges: Sequence[str] | str | None = 'auto') -> pd.DataFrame:
+    "Per iteration and over all iterations ('all'): mean verification score of ever- vs never-correct problems (by the judge's columns where the run has them, `judges='auto'`), Δ = never − ever with its 95 % bootstrap interval over problems, Welch t and p."
+    cols = judge_columns(records) if judges == 'auto' else list(judges or [])
+    correct = records[cols].astype(float).mean(axis=1) > 0 if cols else records['correct'].astype(bool)
+    ever = correct.groupby(records['problem_id']).any()
+    grading = f"LLM judge ({len(cols)} verdicts per candidate; correct where their mean is above 0)" if cols else 'rule-based grader'
     scored = records[records['mean_score'].notna()]
     rows = []
     iters = [int(i) for i in sorted(records['iteration'].unique())]
@@ -298,7 +317,8 @@ def verification_paradox(records: pd.DataFrame) -> pd.DataFrame:
         me, mn = (float(e.mean()) if len(e) else float('nan')), (float(n.mean()) if len(n) else float('nan'))
         gd = group_difference(n.values, e.values)
         rows.append({'iteration': str(it), 'mean_ever': me, 'mean_never': mn, 'delta': mn - me, 'delta_low': gd['diff_low'],
-                     'delta_high': gd['diff_high'], 'n_ever': int(len(e)), 'n_never': int(len(n)), 't': t, 'p_value': p, 'note': note})
+                     'delta_high': gd['diff_high'], 'n_ever': int(len(e)), 'n_never': int(len(n)), 't': t, 'p_value': p, 'note': note,
+                     'grading': grading})
     return pd.DataFrame(rows)
 
 # %% ../nbs/30_analysis.ipynb #aed356ca

@@ -28,7 +28,7 @@ __all__ = ['IncomparableRuns', 'comparability', 'compare_runs', 'compare_lines',
 
 # %% ../nbs/30b_compare.ipynb #6e4b5a33
 class IncomparableRuns(ValueError):
-    "Two runs that a paired comparison cannot set side by side (other benchmark, other problems, other grading)."
+    "Two runs that a paired comparison cannot set side by side (other benchmark, no shared problem, other grading)."
 
 def _grading(run: Run, judges) -> str:
     return grading_label(run.judge) if judges == 'auto' and judge_columns(run.records) else 'rule-based grader'
@@ -44,10 +44,12 @@ def comparability(runs: Sequence[Run], names: Sequence[str], judges='auto') -> l
     for r, name in zip(runs[1:], names[1:]):
         a, b = benchmark_name(ref.config), benchmark_name(r.config)
         if a != b: raise IncomparableRuns(f"cannot compare {names[0]} and {name}: they ran different benchmarks ({a} and {b})")
-        ia, ib = set(_ids(ref)), set(_ids(r))
-        if ia != ib:
-            raise IncomparableRuns(f"cannot compare {names[0]} and {name}: they ran different problems ({len(ia)} and {len(ib)}, "
-                                   f"{len(ia & ib)} in common); a paired comparison needs the same problems (--problem-ids, --limit)")
+    ids = [set(_ids(r)) for r in runs]
+    shared = set.intersection(*ids)
+    if not shared: raise IncomparableRuns(f"cannot compare {' and '.join(names)}: they share no problem ({', '.join(str(len(i)) for i in ids)} problems)")
+    if any(i != shared for i in ids):
+        flags.append(f"compared on the {len(shared)} shared problems: " + ', '.join(f"{len(i - shared)} dropped from {n}" for i, n in zip(ids, names)))
+    for r, name in zip(runs[1:], names[1:]):
         ga, gb = _grading(ref, judges), _grading(r, judges)
         if grading_kind(ga) != grading_kind(gb):
             raise IncomparableRuns(f"cannot compare {names[0]} and {name}: graded differently ({ga}; {gb}); grade both the same way, "

@@ -4,7 +4,7 @@
 
 # %% ../nbs/17_data.ipynb #31dea165
 from __future__ import annotations
-import csv, json, os, random
+import csv, hashlib, json, os, random
 from dataclasses import dataclass, field, asdict
 from pathlib import Path
 
@@ -15,7 +15,8 @@ from .grading import clean_answer
 __all__ = ['IMO_COLUMNS', 'JSONL_BENCHMARKS', 'JSONL_ID_FIELDS', 'DEMO_PROBLEMS', 'BENCHMARKS', 'SOLVE_PROMPT', 'Problem',
            'ProblemFileError', 'load_problems', 'load_imo_answerbench', 'load_jsonl_problems', 'load_hmmt',
            'demo_problems', 'benchmark_name', 'load_benchmark', 'first_k', 'stratified', 'hard_subset',
-           'write_problem_ids', 'read_problem_ids', 'select_problems', 'pick_subset']
+           'write_problem_ids', 'read_problem_ids', 'select_problems', 'problem_list_digest', 'problem_list_info',
+           'pick_subset']
 
 # %% ../nbs/17_data.ipynb #94cb3c9a
 @dataclass(frozen=True)
@@ -250,6 +251,24 @@ def select_problems(problems, ids) -> list[Problem]:
     if unknown: raise ValueError(f"problem id list: {len(unknown)} id(s) not in this benchmark, e.g. {unknown[:3]}; check the --benchmark")
     keep = set(want)
     return [p for p in problems if p.id in keep]
+
+# %% ../nbs/17_data.ipynb #556c032d
+def problem_list_digest(ids) -> str:
+    "sha256 of a problem-id list read as a set: its distinct ids sorted, one per line."
+    return hashlib.sha256(''.join(f"{i}\n" for i in sorted({str(i) for i in ids})).encode('utf-8')).hexdigest()
+
+def problem_list_info(path) -> dict:
+    "The `# key: value` lines at the top of a problem-id list (values read as JSON where they parse, else kept as text)."
+    out = {}
+    for line in Path(path).expanduser().read_text(encoding='utf-8').splitlines():
+        if not line.lstrip().startswith('#'):
+            if line.strip(): break
+            continue
+        key, sep, value = line.lstrip()[1:].partition(':')
+        if not sep: continue
+        try: out[key.strip()] = json.loads(value.strip())
+        except ValueError: out[key.strip()] = value.strip()
+    return out
 
 # %% ../nbs/17_data.ipynb #f6d9322e
 def pick_subset(problems, k: int, seed: int) -> list[Problem]:

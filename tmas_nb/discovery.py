@@ -25,28 +25,29 @@ from .llm.loading import load_llm
 from .replay.store import ReplayStore, load_store, load_store_file
 from .replay.controllers import cmc_schedule, parse_controller
 from .replay.evaluation import evaluate, table_controllers
+from .replay.environment import Action, ReplayEnv
 from .replay.authors_api import store_records
-from .replay.files import _one_line, check_controller_source, evaluate_file_configs
+from .replay.files import _one_line, _records_of, check_controller_source, evaluate_file_configs
 from .replay.results import EvalResult
-from .discovery_history import (archive_round, compare_curves, comparison_summary, history_curves, monotone_violations,
+from .discovery_history import (archive_round, compare_curves, comparison_summary, environment_trace, history_curves, monotone_violations,
                                        round_folder, round_traces, select_paper,
                                        store_label, store_parts, update_curves, worst_questions, write_results)
 
 # %% auto #0
-__all__ = ['CLASS_NAME', 'ENVIRONMENT_API', 'BETA_CONTRACT', 'FREE_CONTRACT', 'EXAMPLE_CONTROLLER', 'METHOD_TEMPLATE',
-           'SEED_CLASSES', 'BETAS', 'QWEN3', 'PRESETS', 'PROPOSER_SYSTEM', 'CRITIC_SYSTEM', 'EVAL_CLIENT',
-           'MAX_METHOD_BYTES', 'MAX_USAGE_BYTES', 'MAX_TOKENS', 'EVAL_REQUEST_BYTES', 'EVALS_PER_ROUND',
+__all__ = ['CLASS_NAME', 'ENVIRONMENT_API', 'BETA_CONTRACT', 'FREE_CONTRACT', 'TRACE_CONTRACT', 'EXAMPLE_CONTROLLER',
+           'METHOD_TEMPLATE', 'SEED_CLASSES', 'BETAS', 'QWEN3', 'PRESETS', 'PROPOSER_SYSTEM', 'CRITIC_SYSTEM',
+           'EVAL_CLIENT', 'MAX_METHOD_BYTES', 'MAX_USAGE_BYTES', 'MAX_TOKENS', 'EVAL_REQUEST_BYTES', 'EVALS_PER_ROUND',
            'EVAL_LOG_ENTRIES', 'ROUND_STATUSES', 'ceiling_text', 'contract_text', 'extract_code', 'file_configs',
            'staircase_auc', 'pareto_front', 'select_auc', 'synthetic_store', 'sc_ks', 'seed_specs', 'seed_curves',
-           'DiscoveryConfig', 'resolve_store', 'store_digest', 'takes_keyword', 'ceiling_enforced', 'cached_evaluation',
-           'proposal_configs', 'ceiling_hits', 'evaluate_proposal', 'curve_text', 'ceiling_records', 'ceiling_line',
-           'seeds_text', 'trace_text', 'worst_traces_text', 'history_text', 'traces_history_text', 'proposer_prompt',
-           'revise_prompt', 'critic_prompt', 'ScriptedLLM', 'RoundContext', 'model_context', 'draft_results',
-           'draft_score', 'propose_builtin', 'agent_task', 'make_workspace', 'read_workspace_text', 'parse_usage',
-           'agent_usage', 'request_configs', 'EvaluationService', 'agent_sandbox_options', 'reclaim_workspace',
-           'run_agent', 'run_round', 'init_workspace', 'spec_ceiling', 'heldout_pass', 'cost_summary', 'run_discovery',
-           'check_agent_settings', 'history_files', 'rescore_history', 'make_llm', 'config_from_args', 'summary_line',
-           'discover_cli']
+           'seed_traces', 'DiscoveryConfig', 'resolve_store', 'store_digest', 'takes_keyword', 'ceiling_enforced',
+           'cached_evaluation', 'proposal_configs', 'ceiling_hits', 'evaluate_proposal', 'curve_text',
+           'ceiling_records', 'ceiling_line', 'seeds_text', 'trace_text', 'worst_traces_text', 'history_text',
+           'traces_history_text', 'proposer_prompt', 'revise_prompt', 'critic_prompt', 'ScriptedLLM', 'RoundContext',
+           'model_context', 'draft_results', 'draft_score', 'propose_builtin', 'agent_task', 'make_workspace',
+           'read_workspace_text', 'parse_usage', 'agent_usage', 'request_configs', 'EvaluationService',
+           'agent_sandbox_options', 'reclaim_workspace', 'run_agent', 'run_round', 'init_workspace', 'spec_ceiling',
+           'heldout_pass', 'cost_summary', 'run_discovery', 'check_agent_settings', 'history_files', 'rescore_history',
+           'make_llm', 'config_from_args', 'summary_line', 'discover_cli']
 
 # %% ../nbs/40_discovery.ipynb #34c5ad3a
 CLASS_NAME = 'OptimalController'
@@ -73,15 +74,16 @@ Answers are strings ('ERR' when none could be read). Opening more branches than 
 string equality with the reference.
 
 `code_base/method.py` starts each round as the template: helpers (`_safe_*`, `_vote_stats`, `_majority_answer`,
-`_beta_majority_confidence`, `_weighted_vote`), the seed controllers on this API (`SCMethod`, `ASCMethod`, `ESCMethod`,
-`Parallel_Probe`) and the class to write:
+`_beta_majority_confidence`, `_weighted_vote`), `TracedMethod` (a controller that records its own steps), the seed
+controllers on this API (`SCMethod`, `ASCMethod`, `ESCMethod`, `Parallel_Probe`) and the class to write:
 
-    class OptimalController(LLMDesignedMethod):
+    class OptimalController(TracedMethod):
         def __init__(self, config=None):  # config is a dict: {'beta': b}
             ...
         def solve(self, question):        # returns the final answer string
             ...
-Use only the Python standard library (math, collections, random).
+Libraries: the Python standard library, numpy and scipy (the evaluator's Python has both, as the authors' template imports
+them; the template here needs neither). Nothing else is installed.
 """
 
 def ceiling_text(max_branches: int | None) -> str:
@@ -123,9 +125,18 @@ There is no single knob: expose whatever settings you like in config, and list t
 top-level literal `CONFIGS = [{...}, ...]` (at most 11 dicts) in the file. Use the question API only.
 """
 
+TRACE_CONTRACT = """\
+Traces. Record what the controller decides, as Appendix C asks of every controller: OptimalController inherits
+TracedMethod; call self._reset_trace() first in solve, then self._trace_step('start', ...), one step per decision point
+(for example 'init_branches', 'forward', 'prune', 'terminate_check') and exactly one 'finish' step on every return path,
+each a small JSON-serialisable dict (no whole branch histories). The evaluator writes get_last_trace() of every traced
+episode beside the environment's own record of that episode's actions (`controller_trace` in the trace files).
+"""
+
 def contract_text(cfg) -> str:
-    "What a proposal must satisfy: the ceiling, then the β contract (or the free-parameters ablation's)."
-    return ceiling_text(cfg.max_branches) + '\n' + (FREE_CONTRACT if cfg.free_params else BETA_CONTRACT)
+    "What a proposal must satisfy: the ceiling, then the β contract (or the free-parameters ablation's), and, with traces on, the trace surface."
+    return (ceiling_text(cfg.max_branches) + '\n' + (FREE_CONTRACT if cfg.free_params else BETA_CONTRACT)
+            + ('\n' + TRACE_CONTRACT if getattr(cfg, 'traces', True) else ''))
 
 # %% ../nbs/40_discovery.ipynb #9e6b017d
 EXAMPLE_CONTROLLER = '''\
@@ -201,6 +212,23 @@ def _weighted_vote(pairs):
     for a, w in pairs:
         if a is not None: total[a] = total.get(a, 0.0) + float(w)
     return max(total, key=total.get) if total else None
+
+
+class TracedMethod(LLMDesignedMethod):
+    "A controller that records its own steps; the evaluator writes get_last_trace() of each traced episode into the round's traces."
+    def _reset_trace(self):
+        self._steps = []
+
+    def _trace_step(self, event, **info):
+        "One step: the event's name and small JSON-serialisable details (goal, input, output, state, decision)."
+        self._steps.append({'event': event, **info})
+
+    def get_last_trace(self):
+        return list(getattr(self, '_steps', []))
+
+    def solve_with_trace(self, question):
+        answer = self.solve(question)
+        return {'answer': answer, 'trace': self.get_last_trace()}
 
 
 class SCMethod(LLMDesignedMethod):
@@ -305,8 +333,8 @@ class Parallel_Probe(LLMDesignedMethod):
         return prev
 
 
-class OptimalController(LLMDesignedMethod):
-    "The controller to discover: beta in [0, 1] is its one knob; _schedule derives every internal setting from it."
+class OptimalController(TracedMethod):
+    "The controller to discover: beta in [0, 1] is its one knob; _schedule derives every internal setting from it; it records its steps."
     NAME = 'optimal_controller'
     def __init__(self, config=None):
         super().__init__(config)
@@ -427,6 +455,24 @@ def seed_curves(store: ReplayStore, seeds, reference: str | None = None) -> pd.D
                          per_question_acc=json.dumps([round(float(x), 2) for x in r.per_question_acc])))
     return pd.DataFrame(rows)
 
+
+# %% ../nbs/40_discovery.ipynb #814e1514
+_LOG_CODE = {Action.BRANCH: 'B', Action.READ_WHOLE: 'W', Action.CONTINUE: 'C', Action.PROBE: 'P', Action.PRUNE: 'X'}
+
+def seed_traces(store: ReplayStore, seed: int = 0, max_steps: int = 40) -> list[dict]:
+    "Per-step traces of SC, ASC, ESC and Parallel-Probe at their widest on every question of `store`, branch order `seed` (never CMC)."
+    records, widest, out = _records_of(store)[0], {}, []
+    for m, spec in seed_specs(store): widest[m] = spec                  # sizes ascend: the last of a family is its widest
+    order = store.orders([seed])[0]
+    for m, spec in widest.items():
+        for q in range(store.n_questions):
+            env = ReplayEnv(store, q, seed=seed, record=True)
+            answer = parse_controller(spec).run(env)
+            log = [c if c in 'BW' else f'{c}{s.branch}' for s in env.trace if (c := _LOG_CODE.get(s.action))]
+            rec = records[q]
+            out.append(dict(method=m, spec=spec, seed=seed,
+                            **environment_trace(rec, order[q][:len(rec['each_branch'])].tolist(), log, answer, 'ours', q, max_steps)))
+    return out
 
 # %% ../nbs/40_discovery.ipynb #d8d092b4
 @dataclass
@@ -585,6 +631,8 @@ def trace_text(trace: dict, steps: int = 24) -> str:
             f"{'correct' if trace['correct'] else 'wrong'}; {trace['total_tokens']} tokens, {trace['branches_opened']} branches, "
             f"{trace['steps_total']} steps; {trace['stop_reason']}")
     out = [head]
+    own = trace.get('controller_trace')
+    if own: out.append(f"    its own trace: {len(own)} steps: " + ', '.join(str(s.get('event', '?')) if isinstance(s, dict) else '?' for s in own[:16]))
     for s in trace['trace'][:steps]:
         if 'skipped_steps' in s: out.append(f"    ... {s['skipped_steps']} steps ..."); continue
         out.append(f"    {s['step']}: {s['action']} b{s['branch']} -> {s['answer']!r}; majority {s['majority_answer']!r} "
@@ -652,7 +700,8 @@ def proposer_prompt(cfg: DiscoveryConfig, seeds: str, history: str, traces: str,
     parts = ["# Environment\n", ENVIRONMENT_API, "\n# Contract\n", contract_text(cfg),
              "\n# Seed algorithms (accuracy @ average tokens per question)\n", seeds,
              "\n# History of earlier rounds\n", history]
-    if traces: parts += ["\n# Execution traces of earlier rounds (recorded by the environment; newest first)\n", traces]
+    if traces: parts += [f"\n# Execution traces of earlier rounds (branch order 0 of the {cfg.seeds} seeds: the environment's record of the "
+                         "actions, with the controller's own steps where it records them; newest first)\n", traces]
     parts += ["\n# The current method.py (the template: its seeds are the code of the seed algorithms above)\n```python\n" + start + "```\n",
               "\n# Task\nAnalyse what went wrong in the history and write OptimalController: higher search accuracy at "
               "every budget, within the contract. Answer with ONE ```python code block holding the whole method.py."]
@@ -843,12 +892,17 @@ def agent_task(cfg: DiscoveryConfig, k: int) -> str:
         "outside this workspace) and prints one JSON line per store and beta; the first seed's traces go to "
         "code_base/training_results/matrix_results_<Model>/<dataset>_trace_new_api.jsonl.\n"
         "- code_base/environment/<Model>/<dataset>.json: the search stores.\n"
-        "- code_base/history/seed_algorithms/matrix_results_<Model>/<dataset>_raw_new_api.csv: the seeds' curves.\n"
+        "- code_base/history/seed_algorithms/matrix_results_<Model>/<dataset>_raw_new_api.csv: the seeds' curves"
+        + (f"; <dataset>_trace_new_api.jsonl beside it: their per-step traces (SC, ASC, ESC, Parallel-Probe at their widest, every "
+           f"question, branch order 0).\n" if cfg.traces else ".\n") +
         "- code_base/history/rNNNN_<time>_<id>/: every earlier round (method.py, matrix_results_<Model>/<dataset>_raw_new_api.csv and "
         "<dataset>_trace_new_api.jsonl); code_base/history/rounds.jsonl: each round's status, error, budget violations and "
         "episodes past the branch ceiling.\n"
+        + (f"- Every trace is of branch order (seed) 0 of the run's {cfg.seeds}, for every beta and question; accuracy and tokens "
+           "cover all of them. A round trace holds the environment's record of the actions and, where OptimalController records "
+           "them (TracedMethod), its own steps as `controller_trace`.\n" if cfg.traces else '') +
         "\n# Workflow\n"
-        "1. Read the seeds in method.py and their curves; read the latest rounds first, with their traces, then older ones.\n"
+        "1. Read the seeds in method.py, their curves and their traces; read the latest rounds first, with their traces, then older ones.\n"
         "2. Sum up what was tried, what failed, what works, and what would be genuinely different.\n"
         "3. Write OptimalController within the contract, evaluate it with $TMAS_EVAL_CMD, and revise.\n"
         "4. End with a short summary: the idea; which rounds and seed traces you used and what they taught; how it differs from the "
@@ -1165,7 +1219,7 @@ def _check_config(out: Path, cfg: DiscoveryConfig):
 
 # %% ../nbs/40_discovery.ipynb #5a87decc
 def init_workspace(out: Path, train: list, cfg: DiscoveryConfig) -> pd.DataFrame:
-    "The run's `code_base/` (method.py and method.template.py from the template, the seeds' curves under history/seed_algorithms/) and the seeds' curves."
+    "The run's `code_base/` (method.py and method.template.py from the template, the seeds' curves and, with traces on, their per-step traces under history/seed_algorithms/) and the seeds' curves."
     f = out / 'seeds.csv'
     if f.exists(): seeds_df = pd.read_csv(f)
     else:
@@ -1175,6 +1229,12 @@ def init_workspace(out: Path, train: list, cfg: DiscoveryConfig) -> pd.DataFrame
             write_results(out / 'code_base' / 'history' / 'seed_algorithms', st.name,
                           g.assign(config=[json.dumps({'spec': s}) for s in g.spec], acc_std=0.0, error=None).reset_index(drop=True))
         atomic_write_text(f, seeds_df.to_csv(index=False))
+    for st in train if cfg.traces else []:                # the seeds' per-step traces beside their curves (Appendix C)
+        model, dset = store_parts(st.name)
+        t = out / 'code_base' / 'history' / 'seed_algorithms' / f'matrix_results_{model}' / f'{dset}_trace_new_api.jsonl'
+        if not t.exists():
+            t.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(t, ''.join(json.dumps(json_ready(x), sort_keys=True) + '\n' for x in seed_traces(st)))
     m = out / 'code_base' / 'method.py'
     if not m.exists(): atomic_write_text(m, METHOD_TEMPLATE)
     atomic_write_text(m.with_name('method.template.py'), METHOD_TEMPLATE)
@@ -1284,6 +1344,9 @@ def _discover(ctx: RoundContext, heldout: list, progress: bool) -> dict:
     atomic_write_json(out / 'selection.json', json_ready(dict(sel or dict(round=None, beta=None, acc=None, avg_tokens=None), rule=cfg.select)))
     if heldout: atomic_write_text(out / 'heldout.csv', heldout_pass(ctx, heldout, sel).to_csv(index=False))
     summary = dict(rounds=len(ctx.rounds), selection=sel, rule=cfg.select, reference=cfg.reference, traces=cfg.traces, free_params=cfg.free_params,
+                   traces_cover=(f"branch order 0 of {cfg.seeds} per beta and question; the controller's own trace where it records one; "
+                                 "the seeds' traces in history/seed_algorithms/") if cfg.traces else None,
+                   libraries='the Python standard library, numpy and scipy (the contract and the template agree)',
                    statuses={s: sum(r['status'] == s for r in ctx.rounds) for s in ROUND_STATUSES},
                    monotone_violations={r['round']: len(r.get('monotone_violations') or []) for r in ctx.rounds},
                    max_branches=cfg.max_branches, ceiling_enforced=ceiling_enforced(cfg.max_branches),

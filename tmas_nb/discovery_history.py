@@ -17,9 +17,9 @@ from .replay.files import _records_of
 
 
 # %% auto #0
-__all__ = ['CURVE_COLUMNS', 'action_steps', 'environment_trace', 'round_traces', 'worst_questions', 'monotone_violations',
-           'select_paper', 'store_parts', 'authors_csv', 'write_results', 'round_folder', 'archive_round',
-           'store_label', 'update_curves', 'history_curves', 'compare_curves', 'comparison_summary']
+__all__ = ['CURVE_COLUMNS', 'HISTORY_GAPS', 'action_steps', 'environment_trace', 'round_traces', 'worst_questions',
+           'monotone_violations', 'select_paper', 'store_parts', 'authors_csv', 'write_results', 'round_folder',
+           'archive_round', 'store_label', 'update_curves', 'history_curves', 'compare_curves', 'comparison_summary']
 
 # %% ../nbs/40a_discovery_history.ipynb #6c556807
 _KIND = {'C': 'read', 'P': 'peek', 'X': 'prune'}
@@ -115,16 +115,18 @@ def _problem_trace(record, answer, question_id, trace, tokens, revealed, n_branc
 
 # %% ../nbs/40a_discovery_history.ipynb #fa9378c3
 def round_traces(store, results: list, betas: list, worst: list = (), max_steps: int = 40, full_steps: int = 400) -> list[dict]:
-    "Traces of the first seed, one per (β, question), for the results of one store (one result per β)."
+    "Traces of the first seed, one per (β, question), for the results of one store (one result per β): the environment's record of the actions, and the controller's own trace (`controller_trace`) where it keeps one."
     records = _records_of(store)[0]
     out = []
     for beta, r in zip(betas, results):
         if r.get('error') or not r.get('trace_logs'): continue
         orders = store.orders([r['trace_seed']])[0].tolist()
+        own = r.get('trace_own') or [None] * len(r['trace_logs'])
         for q, (ans, log) in enumerate(r['trace_logs']):
             rec = records[q]; order = orders[q][:len(rec['each_branch'])]
             cap = full_steps if q in worst else max_steps
-            out.append(dict(beta=beta, seed=r['trace_seed'], **environment_trace(rec, order, log, ans, r['trace_api'], q, cap)))
+            out.append(dict(beta=beta, seed=r['trace_seed'], **environment_trace(rec, order, log, ans, r['trace_api'], q, cap),
+                            **({'controller_trace': own[q]} if own[q] is not None else {})))
     return out
 
 def worst_questions(per_question_acc, sc_per_question_acc, limit: int = 3) -> list[int]:
@@ -243,13 +245,22 @@ def history_curves(folder, dataset: str = 'aime24') -> pd.DataFrame:
 
 
 # %% ../nbs/40a_discovery_history.ipynb #8e32178d
+HISTORY_GAPS = {(0, f'{m}:aime24', 0.8): (
+    "the authors' released evaluator (data_loader.ModelandTask.evaluate, 100 seeds) on the released stores gives ours for the archived "
+    "round-0 method.py; the published cell was produced otherwise (the discovery guide)") for m in ('Qwen3-0.6B', 'Qwen3-1.7B', 'Qwen3-4B', 'Qwen3-8B')}
+"The points of the authors' published history (round, store, β) whose tokens no evaluation of the archived file reproduces, with what was checked."
+
 def compare_curves(ours: pd.DataFrame, theirs: pd.DataFrame, split: str = 'search') -> pd.DataFrame:
-    "Per (round, store, β) both have: acc and avg_tokens of each side, `acc_diff` (ours − theirs, points) and `tokens_ratio` (ours / theirs)."
+    "Per (round, store, β) both have: acc and avg_tokens of each side, `acc_diff` (ours − theirs, points), `tokens_ratio` (ours / theirs), `matches` (their digits) and `note`."
     o = ours[ours.split == split] if 'split' in ours else ours
     if 'error' in o: o = o[o.error.isna()]
     key = lambda t: t.assign(beta=t.beta.astype(float).round(6))[['round', 'store', 'beta', 'acc', 'avg_tokens']]
     m = key(o).merge(key(theirs), on=['round', 'store', 'beta'], suffixes=('', '_theirs'))
-    return m.assign(acc_diff=m.acc - m.acc_theirs, tokens_ratio=m.avg_tokens / m.avg_tokens_theirs).sort_values(['round', 'store', 'beta']).reset_index(drop=True)
+    tokens_ok = (np.floor(m.avg_tokens) == m.avg_tokens_theirs) | (m.avg_tokens.round(0) == m.avg_tokens_theirs)   # theirs int(), ours round()
+    m = m.assign(acc_diff=m.acc - m.acc_theirs, tokens_ratio=m.avg_tokens / m.avg_tokens_theirs,
+                 matches=(m.acc.round(2) == m.acc_theirs.round(2)) & tokens_ok)
+    m['note'] = [HISTORY_GAPS.get((int(k), s, round(float(b), 6)), '') if not ok else '' for k, s, b, ok in zip(m['round'], m.store, m.beta, m.matches)]
+    return m.sort_values(['round', 'store', 'beta']).reset_index(drop=True)
 
 
 # %% ../nbs/40a_discovery_history.ipynb #6810e4a9

@@ -22,7 +22,8 @@ from .runs import cap_to_context, context_of
 from .settings import positive_int
 
 # %% auto #0
-__all__ = ['CUT_LIMIT', 'SolveCounts', 'sample_solves', 'count_solves', 'build_hard_subset', 'full_budget', 'hard_subset_cli']
+__all__ = ['RULES_NOTE', 'CUT_LIMIT', 'SolveCounts', 'sample_solves', 'count_solves', 'build_hard_subset', 'check_grading',
+           'full_budget', 'hard_subset_cli']
 
 # %% ../nbs/24c_hard_subset.ipynb #31d83263
 @dataclass
@@ -83,6 +84,21 @@ async def build_hard_subset(llm, problems, samples: int = 8, threshold: int = 2,
             'solve_counts': counts.correct, 'cut_counts': counts.cut}
     return [p.id for p in chosen], info
 
+# %% ../nbs/24c_hard_subset.ipynb #06746926
+RULES_NOTE = ("rule-based answer check (--rules; not the paper's: an answer the rules cannot match counts wrong, so solved "
+              "problems enter the hard pool)")
+"What a list graded with `--rules` records as its grading."
+
+def check_grading(judge: str | None, rules: bool) -> str:
+    "The `grading` a hard subset records: the LLM judge by default; rule-based only with --rules; neither or both is an error."
+    if judge and rules: raise ValueError("tmas data hard-subset: pass --judge MODEL_OR_URL or --rules, not both")
+    if rules: return RULES_NOTE
+    if not judge:
+        raise ValueError("tmas data hard-subset: pass --judge MODEL_OR_URL (the paper grades with an LLM judge, TMAS §4), or --rules "
+                         "for the rule-based answer check, which the list then records")
+    return f'LLM judge {judge}'
+
+
 # %% ../nbs/24c_hard_subset.ipynb #4a983ea0
 CUT_LIMIT = 0.05
 "Share of samples cut by the token limit above which `tmas data hard-subset` refuses to write a subset (without --allow-cut)."
@@ -96,6 +112,7 @@ def full_budget(model: str, backend: str, base_url: str | None = None) -> tuple[
 
 def _cmd_hard_subset(args) -> int:
     os.environ.setdefault('HF_HUB_OFFLINE', '1')
+    grading = check_grading(args.judge, args.rules)
     problems = load_benchmark(args.benchmark)
     if args.limit is not None: problems = first_k(problems, args.limit)
     out = Path(args.out)
@@ -123,8 +140,8 @@ def _cmd_hard_subset(args) -> int:
                          f"would be close to a random draw; no subset written (the counts are in {out.name}.counts.json and the samples "
                          f"in its call cache). Raise --max-new-tokens (its default is the model's full budget), or pass --allow-cut to "
                          f"write it anyway (the file records it)")
-    write_problem_ids(out, ids, {'made by': 'tmas data hard-subset', 'benchmark': args.benchmark, 'model': args.model, **info,
-                                 'grading': f'LLM judge {args.judge}' if args.judge else 'rule-based answer check',
+    write_problem_ids(out, ids, {'made by': 'tmas data hard-subset', 'benchmark': args.benchmark, 'model': args.model,
+                                 **({'served_model': args.served_model} if args.served_model else {}), **info, 'grading': grading,
                                  'temperature': args.temperature, 'top_p': args.top_p, 'top_k': args.top_k,
                                  'max_new_tokens': budget, 'budget': why,
                                  **({'allow_cut': f"written with --allow-cut although {info['cut_share']:.1%} of the samples were cut "
@@ -151,7 +168,8 @@ def hard_subset_cli(p) -> None:
                    help="tokens per sample (default: the model's full budget, TMAS's 128K capped to its context)")
     p.add_argument('--allow-cut', dest='allow_cut', action='store_true',
                    help=f'write the subset even when more than {CUT_LIMIT * 100:.0f}%% of the samples were cut by the token limit (the file records it)')
-    p.add_argument('--judge', default=None, help="grade the samples with this LLM judge (a model name, a folder or an OpenAI-compatible URL) instead of the rules")
+    p.add_argument('--judge', default=None, help="the LLM judge that grades the samples (a model name, a folder or an OpenAI-compatible URL); required unless --rules")
+    p.add_argument('--rules', action='store_true', help="grade with the rule-based answer check instead of a judge (not the paper's grading; the list records it)")
     p.add_argument('--limit', type=positive_int, default=None, help='only the first N problems (a quick check)')
     p.add_argument('--threads', type=int, default=None, help='torch CPU threads')
     p.add_argument('--quiet', action='store_true')

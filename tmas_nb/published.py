@@ -4,11 +4,12 @@
 
 # %% ../nbs/26_published.ipynb #8c981018
 from __future__ import annotations
-import math
+import json, math
 from typing import Sequence
 
 import pandas as pd
 
+from .data import problem_list_digest
 from .analysis import PAPER_COLUMNS, paper_comparison, backbone, benchmark_name, protocol_name
 from .run_folder import grading_label, judge_columns
 from .reporting import stats_table
@@ -16,7 +17,8 @@ from .stats import interval_note, pass_at_1_intervals, pooled_rates, problem_rat
 
 # %% auto #0
 __all__ = ['Q30', 'Q4', 'TMAS_GRADING', 'RSE_GRADING', 'TMAS_LABELS', 'TMAS_TABLE1_ITERATIONS', 'TMAS_TABLE1', 'RSE_BENCH',
-           'RSE_TABLE1', 'SHOWN', 'published', 'grading_kind', 'beside_ours', 'ours_for_paper', 'comparison_text']
+           'RSE_TABLE1', 'HARD_SUBSET_RULE', 'SHOWN', 'published', 'hard_subset_departures', 'problem_list_of',
+           'problem_list_reasons', 'grading_kind', 'beside_ours', 'ours_for_paper', 'comparison_text']
 
 # %% ../nbs/26_published.ipynb #916f8927
 Q30, Q4 = 'Qwen3-30B-A3B-Thinking-2507', 'Qwen3-4B-Thinking-2507'
@@ -132,6 +134,44 @@ def published(*sources: str) -> pd.DataFrame:
     if sources: d = d[d.source.isin(sources)]
     return d.reset_index(drop=True)
 
+# %% ../nbs/26_published.ipynb #aae9471b
+HARD_SUBSET_RULE = {'made by': 'tmas data hard-subset', 'model': 'Qwen3-4B-Thinking-2507', 'samples': 8, 'threshold': 2, 'k': 50,
+                    'grading': 'LLM judge'}
+"TMAS §4's IMO-AnswerBench-50: 8 samples of Qwen3-4B-Thinking-2507 per problem, those with fewer than 2 correct, 50 of them (judge grading: assumed)."
+
+def hard_subset_departures(made_by: dict | None) -> list[str]:
+    "Where a problem-id list's record departs from `HARD_SUBSET_RULE` (a list written with --allow-cut too); [] when it follows it."
+    rule = HARD_SUBSET_RULE
+    if not isinstance(made_by, dict) or made_by.get('made by') != rule['made by']: return ["not drawn by `tmas data hard-subset`"]
+    model = str(made_by.get('served_model') or made_by.get('model') or '')
+    out = [] if rule['model'].lower() in model.lower() else [f"reference model {model or 'unknown'} (paper: {rule['model']})"]
+    out += [f"{k} {made_by.get(k)} (paper: {rule[k]})" for k in ('samples', 'threshold', 'k') if made_by.get(k) != rule[k]]
+    if not str(made_by.get('grading', '')).startswith(rule['grading']): out.append("graded by rule (paper: an LLM judge)")
+    if made_by.get('allow_cut'): out.append("written with --allow-cut")
+    return out
+
+# %% ../nbs/26_published.ipynb #21d000a5
+def problem_list_of(config: dict) -> dict:
+    "A run's problem list as its protocol records it (`problems`, `sha256`, how it was chosen), else counted and hashed from `problem_ids`."
+    p = (config.get('protocol') or {}).get('problem_list') if isinstance(config.get('protocol'), dict) else None
+    if isinstance(p, dict) and isinstance(p.get('value'), dict) and p['value'].get('sha256'): return p['value']
+    ids = [str(i) for i in config.get('problem_ids') or []]
+    return {'problems': len(set(ids)), 'sha256': problem_list_digest(ids), 'recorded': False}
+
+# %% ../nbs/26_published.ipynb #a48cd770
+def problem_list_reasons(setting: str, lists) -> list[str]:
+    "Why the problems behind our row keep it from a published number over `setting`: several lists pooled, or a subset not drawn by the paper's rule."
+    if not isinstance(lists, str) or not lists: return []
+    got = json.loads(lists)
+    if len(got) > 1:
+        return [f"runs over {len(got)} different problem lists pooled (sha256 {', '.join(g['sha256'][:12] for g in got)})"]
+    g = got[0]
+    if 'hard subset' not in str(setting): return []
+    off = hard_subset_departures(g.get('made_by'))
+    if not off: return []
+    return [f"problem list {g['sha256'][:12]} ({g['problems']} problems) is not {setting} by the paper's rule: {'; '.join(off)} (the "
+            f"authors' ids are unpublished; `tmas data hard-subset --model Qwen3-4B-Thinking-2507 --judge JUDGE` draws a list by it)"]
+
 # %% ../nbs/26_published.ipynb #a5c95e2f
 def grading_kind(grading: str | None) -> str:
     "'judge' or 'rule' from a grading label."
@@ -154,6 +194,7 @@ def beside_ours(paper: pd.DataFrame, ours: pd.DataFrame, our_grading: str | dict
         if ours_k == 'rule' and paper_k == 'judge': why.append(f"rule-graded (paper: {r.paper_grading}; `tmas judge` grades ours the same way)")
         elif ours_k != paper_k: why.append(f"judge-graded (paper: {r.paper_grading})")
         if str(getattr(r, 'our_protocol', '')) == 'custom': why.append('protocol custom (settings that differ from the paper preset)')
+        why += problem_list_reasons(r.setting, getattr(r, 'our_problem_list', None))
         return 'comparable' if not why else 'not comparable: ' + '; '.join(why)
     m['comparable'] = [verdict(r) for r in m.itertuples()]
     return m
@@ -187,12 +228,14 @@ def ours_for_paper(runs: Sequence, judges='auto') -> pd.DataFrame:
     for (bench, model, label), rs in groups.items():
         rates = pooled_rates([problem_rates(r.records, judges) for r in rs])
         protocols = sorted({protocol_name(r.config) for r in rs})
+        lists = {l['sha256']: l for l in (problem_list_of(r.config) for r in rs)}     # one entry per distinct problem list
         common = dict(benchmark=bench, model=model, our_runs=len(rs), our_grading=_grading_of(rs[0], judges),
-                      our_protocol='custom' if 'custom' in protocols else ', '.join(protocols))
+                      our_protocol='custom' if 'custom' in protocols else ', '.join(protocols),
+                      our_problem_list=json.dumps(list(lists.values()), sort_keys=True, default=str))
         rows += [{**r, 'our_record': 'Pass@1'} for r in _interval_rows(rates, **common, label=label)]
         rows += _final_rows(rs[0].method, label, rs, judges, rates, common)
     cols = ['benchmark', 'model', 'label', 'iteration', 'ours', 'ours_low', 'ours_high', 'problems', 'our_runs', 'our_grading',
-            'our_protocol', 'our_record', 'our_samples']
+            'our_protocol', 'our_record', 'our_samples', 'our_problem_list']
     out = pd.DataFrame(rows, columns=cols)
     out['iteration'] = out['iteration'].astype('Int64')
     return out

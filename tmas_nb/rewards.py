@@ -19,12 +19,12 @@ from .prompts import strip_thinking
 
 # %% auto #0
 __all__ = ['HALVES', 'NOVELTY_REWARDS', 'OBJECTIVE_NAMES', 'STRATEGY_INSTRUCTION', 'STRATEGY_SUMMARY_PROMPT',
-           'NOVELTY_JUDGE_PROMPT', 'NOVELTY_PAIRS', 'completion_text', 'check_lengths', 'correctness_reward',
-           'experience_utilization_rewards', 'novelty_reward', 'hybrid_rewards', 'strategy_statement',
-           'summarize_strategy', 'CosineNoveltyJudge', 'parse_novelty_verdict', 'LLMNoveltyJudge',
-           'without_strategy_lines', 'solution_strategy', 'RolloutNoveltyJudge', 'judged_novel', 'CorrectnessReward',
-           'consecutive_groups', 'ExperienceUtilizationReward', 'NoveltyReward', 'HybridReward', 'log_objectives',
-           'novelty_agreement']
+           'JUDGE_MAX_NEW_TOKENS', 'NOVELTY_JUDGE_PROMPT', 'NOVELTY_PAIRS', 'completion_text', 'check_lengths',
+           'correctness_reward', 'experience_utilization_rewards', 'novelty_reward', 'hybrid_rewards',
+           'strategy_statement', 'summarize_strategy', 'CosineNoveltyJudge', 'parse_novelty_verdict', 'LLMNoveltyJudge',
+           'without_strategy_lines', 'solution_strategy', 'RolloutNoveltyJudge', 'judged_novel', 'NoVerdicts',
+           'settle_verdicts', 'CorrectnessReward', 'consecutive_groups', 'ExperienceUtilizationReward', 'NoveltyReward',
+           'HybridReward', 'log_objectives', 'novelty_agreement']
 
 # %% ../nbs/50_rewards.ipynb #88f319f0
 def completion_text(completion: Any) -> str:
@@ -123,10 +123,13 @@ STRATEGY_SUMMARY_PROMPT = """Below is an attempt at a math problem. Name its ove
 ## Attempt
 {solution}"""
 
-async def summarize_strategy(llm, question: str, solution: str, max_new_tokens: int = 64, seed: int = 0) -> str:
-    "A one-sentence strategy of `solution`, written by `llm` (any backend)."
+JUDGE_MAX_NEW_TOKENS = 4096
+"Tokens a novelty judge may write per call (the strategy summary, the verdict): room for a judge that thinks anyway."
+
+async def summarize_strategy(llm, question: str, solution: str, max_new_tokens: int = JUDGE_MAX_NEW_TOKENS, seed: int = 0) -> str:
+    "A one-sentence strategy of `solution`, written by `llm` (any backend) with thinking off where its chat template allows."
     req = Request.from_prompt(STRATEGY_SUMMARY_PROMPT.format(question=question, solution=solution), role='strategy',
-                              temperature=0.0, max_new_tokens=max_new_tokens, seed=seed)
+                              temperature=0.0, max_new_tokens=max_new_tokens, seed=seed, enable_thinking=False)
     (c,), = await llm.generate([req])
     return (c.text or '').strip().splitlines()[0].strip() if (c.text or '').strip() else ''
 
@@ -170,28 +173,29 @@ def parse_novelty_verdict(reply: str | None) -> bool | None:
 # %% ../nbs/50_rewards.ipynb #a670cb9d
 class LLMNoveltyJudge:
     "Ask `llm` (any backend) whether a strategy is new for a guideline bank; verdicts are cached."
-    def __init__(self, llm, max_new_tokens: int = 8):
+    def __init__(self, llm, max_new_tokens: int = JUDGE_MAX_NEW_TOKENS):
         self.llm, self.max_new_tokens, self.cache = llm, max_new_tokens, {}
-        self.calls = 0
+        self.calls = self.unanswered = 0
 
     def _key(self, strategy: str, guidelines: Sequence[str]) -> str:
         return hashlib.sha256(json.dumps([strategy, list(guidelines)]).encode()).hexdigest()
 
-    async def is_new(self, strategy: str | None, guidelines: Sequence[str]) -> bool:
-        "Whether `strategy` is new for `guidelines` according to the model (an empty bank: True, no strategy: False)."
+    async def is_new(self, strategy: str | None, guidelines: Sequence[str]) -> bool | None:
+        "Whether `strategy` is new for `guidelines` according to the model (an empty bank: True, no strategy: False, no verdict in the reply: None)."
         if not strategy: return False
         if not guidelines: return True
         key = self._key(strategy, guidelines)
         if key not in self.cache:
             listed = '\n'.join(f'- {g}' for g in guidelines)
             req = Request.from_prompt(NOVELTY_JUDGE_PROMPT.format(guidelines=listed, strategy=strategy), role='novelty_judge',
-                                      temperature=0.0, max_new_tokens=self.max_new_tokens, seed=0)
+                                      temperature=0.0, max_new_tokens=self.max_new_tokens, seed=0, enable_thinking=False)
             (c,), = await self.llm.generate([req])
             self.calls += 1
-            self.cache[key] = parse_novelty_verdict(c.text) is True
+            self.cache[key] = parse_novelty_verdict(c.text)
+            self.unanswered += self.cache[key] is None
         return self.cache[key]
 
-    async def judge(self, strategies: Sequence[str | None], guidelines: Sequence[Sequence[str]]) -> list[bool]:
+    async def judge(self, strategies: Sequence[str | None], guidelines: Sequence[Sequence[str]]) -> list[bool | None]:
         "`is_new` for each (strategy, guidelines) pair, concurrently."
         check_lengths(strategies=strategies, guidelines=guidelines)
         return list(await asyncio.gather(*[self.is_new(s, g) for s, g in zip(strategies, guidelines)]))
@@ -215,9 +219,9 @@ def solution_strategy(text: str | None, sentences: int = 2, max_chars: int = 400
 # %% ../nbs/50_rewards.ipynb #c958ab09
 class RolloutNoveltyJudge:
     "Whether a rollout's strategy, read from the rollout itself, is new for a guideline bank (`llm`: model extraction and verdict; else MiniLM)."
-    def __init__(self, llm=None, tau: float = 0.7, embedder=None, cache_path=None):
-        self.llm, self.cosine = llm, CosineNoveltyJudge(tau, embedder)
-        self.verdicts = LLMNoveltyJudge(llm) if llm is not None else None
+    def __init__(self, llm=None, tau: float = 0.7, embedder=None, cache_path=None, max_new_tokens: int = JUDGE_MAX_NEW_TOKENS):
+        self.llm, self.cosine, self.max_new_tokens = llm, CosineNoveltyJudge(tau, embedder), max_new_tokens
+        self.verdicts = LLMNoveltyJudge(llm, max_new_tokens) if llm is not None else None
         self.cache, self.cache_path, self.extracted = {}, Path(cache_path) if cache_path else None, 0
         if self.cache_path and self.cache_path.exists():
             for line in self.cache_path.read_text(encoding='utf-8').splitlines():
@@ -231,16 +235,18 @@ class RolloutNoveltyJudge:
         "The rollout's strategy: the model's one-sentence summary of the solution (its Strategy lines removed), else `solution_strategy`."
         self.extracted += 1
         if self.llm is None: return solution_strategy(solution)
-        return await summarize_strategy(self.llm, question, without_strategy_lines(strip_thinking(solution)))
+        return await summarize_strategy(self.llm, question, without_strategy_lines(strip_thinking(solution)), self.max_new_tokens)
 
 # %% ../nbs/50_rewards.ipynb #81a17a31
 @patch
-async def is_new(self: RolloutNoveltyJudge, question: str, solution: str, guidelines: Sequence[str]) -> bool:
-    "Whether the strategy of `solution` is new for `guidelines` (an empty bank: any rollout with a strategy is new)."
+async def is_new(self: RolloutNoveltyJudge, question: str, solution: str, guidelines: Sequence[str]) -> bool | None:
+    "Whether the strategy of `solution` is new for `guidelines` (an empty bank: any rollout with a strategy is new); None when the model wrote no strategy or no verdict (not kept)."
     k = self.key(question, solution, guidelines)
     if k in self.cache: return self.cache[k]
     s = await self.strategy(question, solution)
-    new = await self.verdicts.is_new(s, list(guidelines)) if self.verdicts is not None else self.cosine.is_new(s, list(guidelines))
+    if self.verdicts is None: new = self.cosine.is_new(s, list(guidelines))
+    else: new = await self.verdicts.is_new(s, list(guidelines)) if s else None
+    if new is None: return None
     self.cache[k] = bool(new)
     if self.cache_path:
         with open(self.cache_path, 'a', encoding='utf-8') as f: f.write(json.dumps({'key': k, 'new': bool(new)}) + '\n')
@@ -255,16 +261,30 @@ async def judge(self: RolloutNoveltyJudge, questions: Sequence[str], solutions: 
 
 # %% ../nbs/50_rewards.ipynb #97a11c50
 async def judged_novel(judge, questions: Sequence[str], texts: Sequence[str], guidelines: Sequence[Sequence[str]],
-                       finish_reasons: Sequence[str] | None = None, self_report: bool = False) -> list[bool]:
-    "Whether each rollout's strategy is new for its guidelines: False for a rollout cut by the token limit (`finish_reasons` 'length'), else `judge`'s verdict on the rollout (or, `self_report`, on its Strategy line)."
+                       finish_reasons: Sequence[str] | None = None, self_report: bool = False) -> list[bool | None]:
+    "Whether each rollout's strategy is new for its guidelines: False for a rollout cut by the token limit (`finish_reasons` 'length'), else `judge`'s verdict on the rollout (or, `self_report`, on its Strategy line), None where the judge gave none."
     n = check_lengths(questions=questions, texts=texts, guidelines=guidelines, finish_reasons=finish_reasons)
     ask = [i for i in range(n) if finish_reasons is None or finish_reasons[i] != 'length']
     banks = [list(guidelines[i] or []) for i in ask]
     if self_report: got = await judge.judge([strategy_statement(texts[i]) for i in ask], banks)
     else: got = await judge.judge([questions[i] for i in ask], [texts[i] for i in ask], banks)
     out = [False] * n
-    for i, v in zip(ask, got): out[i] = bool(v)
+    for i, v in zip(ask, got): out[i] = None if v is None else bool(v)
     return out
+
+# %% ../nbs/50_rewards.ipynb #0681282c
+class NoVerdicts(ValueError):
+    "The novelty judge gave no verdict on any rollout of a step that it was asked about."
+
+def settle_verdicts(verdicts: Sequence[bool | None], finish_reasons: Sequence[str] | None = None) -> tuple[list[bool], int]:
+    "(the verdicts with no verdict read as not new, how many had none); `NoVerdicts` when every rollout the judge was asked about has none."
+    asked = [i for i in range(len(verdicts)) if finish_reasons is None or finish_reasons[i] != 'length']
+    missing = sum(verdicts[i] is None for i in asked)
+    if asked and missing == len(asked):
+        raise NoVerdicts(f"the novelty judge gave no verdict on any of the {len(asked)} novelty rollouts of this step (no strategy or no "
+                         "NEW/SEEN in its replies: a thinking judge stopped inside its reasoning?), so every novelty reward would be the "
+                         "'not new' one; serve the judge with thinking off, or give it more room (judge_max_new_tokens in --config)")
+    return [bool(v) for v in verdicts], missing
 
 # %% ../nbs/50_rewards.ipynb #8d52590c
 def _finish_reasons(completion_ids, eos_ids: set[int] | None, max_len: int | None) -> list[str] | None:
@@ -331,8 +351,9 @@ class NoveltyReward:
         ids = [completion_ids[i] for i in idx] if completion_ids is not None else None
         correct = self.correctness([prompts[i] for i in idx], [completions[i] for i in idx], [gold[i] for i in idx], ids)
         texts = [completion_text(completions[i]) for i in idx]
-        new = await judged_novel(self.judge, [''] * len(idx), texts, [list(guidelines[i] or []) for i in idx],
-                                 _finish_reasons(ids, self.correctness.eos, self.correctness.max_len), self_report=True)
+        frs = _finish_reasons(ids, self.correctness.eos, self.correctness.max_len)
+        new, _ = settle_verdicts(await judged_novel(self.judge, [''] * len(idx), texts, [list(guidelines[i] or []) for i in idx], frs,
+                                                    self_report=True), frs)
         for i, c, n in zip(idx, correct, new): out[i] = novelty_reward(c > 0, n)
         return out
 
@@ -357,7 +378,7 @@ class HybridReward:
 @patch
 async def __call__(self: HybridReward, prompts, completions, gold, objective, half=None, problem_id=None, guidelines=None,
                    question=None, completion_ids=None, log_metric=None, **kw) -> list[float]:
-    "The rewards of one batch (logging, with novelty rows, the share judged new and the share cut); an unserved row or a missing verdict is a `ValueError` naming the row."
+    "The rewards of one batch (logging, with novelty rows, the shares judged new, without a verdict and cut); an unserved row is a `ValueError` naming the row, a batch the judge answered nothing on `NoVerdicts`."
     n, texts = len(completions), [completion_text(c) for c in completions]
     frs = _finish_reasons(completion_ids, self.eos, self.max_len)
     correct = [x > 0 for x in correctness_reward(texts, gold, frs)]
@@ -365,9 +386,11 @@ async def __call__(self: HybridReward, prompts, completions, gold, objective, ha
     novel: list = [None] * n
     if idx:
         if guidelines is None: raise ValueError(f"row {idx[0]} (novelty): the batch has no 'guidelines' column")
-        for i, v in zip(idx, await self.novel(idx, texts, question, guidelines, frs)): novel[i] = v
-        if log_metric is not None:       # every step: how many novelty rollouts the judge called new, and how many were cut
+        got, missing = settle_verdicts(await self.novel(idx, texts, question, guidelines, frs), [frs[i] for i in idx] if frs is not None else None)
+        for i, v in zip(idx, got): novel[i] = v
+        if log_metric is not None:       # every step: how many novelty rollouts the judge called new, answered nothing on, and how many were cut
             log_metric('novelty/judged_new', sum(novel[i] for i in idx) / len(idx))
+            log_metric('novelty/no_verdict', missing / len(idx))
             log_metric('novelty/cut', sum(frs[i] == 'length' for i in idx) / len(idx) if frs is not None else 0.0)
     target = hybrid_rewards(objective, correct, half if half is not None else [None] * n, novel, problem_id, self.beta)
     given = target if self.reward == 'hybrid' else [1.0 if c else -1.0 for c in correct]
@@ -482,8 +505,9 @@ def novelty_agreement(judges: dict | None = None, pairs: Sequence[dict] = NOVELT
     rows = []
     for name, judge in judges.items():
         got = run_sync(judged_novel(judge, [p['question'] for p in pairs], [p['rollout'] for p in pairs], [p['guidelines'] for p in pairs], frs))
+        none, got = sum(g is None for g in got), [bool(g) for g in got]       # no verdict: not new, as the reward reads it
         rows.append({'judge': name, 'pairs': len(pairs), 'agreement': sum(g == t for g, t in zip(got, truth)) / len(pairs),
                      'judged_new': sum(got) / len(pairs), 'labelled_new': sum(truth) / len(pairs),
                      'seen_called_new': sum(g and not t for g, t in zip(got, truth)),
-                     'new_called_seen': sum(t and not g for g, t in zip(got, truth))})
+                     'new_called_seen': sum(t and not g for g, t in zip(got, truth)), 'no_verdict': none})
     return pd.DataFrame(rows)

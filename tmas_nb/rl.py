@@ -23,17 +23,17 @@ from .core import atomic_write_json, folder_lock
 from .data import load_benchmark, Problem
 from .prompts import render_solution_messages, experience_lists, get_templates, fill, subsample
 from .rewards import (HALVES, OBJECTIVE_NAMES, STRATEGY_INSTRUCTION, HybridReward, RolloutNoveltyJudge,
-                             CosineNoveltyJudge, LLMNoveltyJudge)
+                             CosineNoveltyJudge, LLMNoveltyJudge, JUDGE_MAX_NEW_TOKENS)
 from .runs import load_run
 from .settings import setting, add_settings, resolve, read_json, renamed_flag
 
 # %% auto #0
 __all__ = ['OBJECTIVES', 'ROW_COLUMNS', 'PAPER_MIX', 'VERL_SOURCES', 'TOY_NAMES', 'TOY_WORDS', 'TOY_QUESTION',
            'TOY_ANSWER_PREFIX', 'TOY_GUIDELINE', 'PRESETS', 'PAPER_ROWS', 'PRESET_REASONS', 'PAPER_TRL_NOTES',
-           'PAPER_NEEDS', 'METRIC_RENAMES', 'IDENTITY_SETTINGS', 'inject_experience', 'problem_row', 'run_inputs',
-           'rows_from_runs', 'parse_mix', 'mix_rows', 'to_verl', 'write_rows', 'from_verl', 'read_rows', 'toy_messages',
-           'toy_rows', 'training_rows', 'half_split_sampler', 'group_advantages', 'TrainSettings', 'batch_plan',
-           'trainer_prompt', 'grpo_kwargs', 'grpo_config', 'trainer_reward', 'metric_row', 'load_task',
+           'PAPER_NEEDS', 'METRIC_RENAMES', 'IDENTITY_SETTINGS', 'PAPER_DATA', 'inject_experience', 'problem_row',
+           'run_inputs', 'rows_from_runs', 'parse_mix', 'mix_rows', 'to_verl', 'write_rows', 'from_verl', 'read_rows',
+           'toy_messages', 'toy_rows', 'training_rows', 'half_split_sampler', 'group_advantages', 'TrainSettings',
+           'batch_plan', 'trainer_prompt', 'grpo_kwargs', 'grpo_config', 'trainer_reward', 'metric_row', 'load_task',
            'check_settings', 'last_checkpoint', 'finished_steps', 'train', 'data_rows', 'data_cli',
            'settings_from_args', 'train_cli', 'TeacherSettings', 'read_problem_file', 'teacher', 'teacher_cli']
 
@@ -344,6 +344,7 @@ class TrainSettings:
     top_p: float = setting(1.0, cli=False)
     experience_beta: float = setting(0.6, cli=False)
     novelty_tau: float = setting(0.7, cli=False)
+    judge_max_new_tokens: int = setting(JUDGE_MAX_NEW_TOKENS, cli=False)   # per novelty-judge call, thinking off where the template allows
     save_total_limit: int = setting(1, cli=False)
     use_vllm: bool | None = setting(None, cli=False)          # None: when vLLM is installed and a GPU is visible
     vllm_mode: str = setting('colocate', cli=False)
@@ -470,8 +471,8 @@ def trainer_reward(s: TrainSettings, eos_token_ids: Sequence[int] = (), judge=No
     "The trainer's reward for settings `s` (`judge`: a novelty judge to use instead of the one the settings name)."
     if judge is None:
         llm = load_judge(s.judge, Path(s.out) / 'judge_cache', threads=s.threads) if s.judge else None
-        if s.novelty == 'self-report': judge = LLMNoveltyJudge(llm) if llm is not None else CosineNoveltyJudge(s.novelty_tau)
-        else: judge = RolloutNoveltyJudge(llm, tau=s.novelty_tau, cache_path=Path(s.out) / 'novelty_cache.jsonl')
+        if s.novelty == 'self-report': judge = LLMNoveltyJudge(llm, s.judge_max_new_tokens) if llm is not None else CosineNoveltyJudge(s.novelty_tau)
+        else: judge = RolloutNoveltyJudge(llm, tau=s.novelty_tau, cache_path=Path(s.out) / 'novelty_cache.jsonl', max_new_tokens=s.judge_max_new_tokens)
     return HybridReward(s.reward, s.experience_beta, judge, s.novelty, s.max_completion_length, eos_token_ids)
 
 # %% ../nbs/51_rl.ipynb #ce1cd74e
@@ -549,7 +550,9 @@ def check_settings(out: Path, s: TrainSettings) -> None:
         old = read_json(p, 'training settings')
         diff = [f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in IDENTITY_SETTINGS if old.get(k) != new[k]]
         if diff: raise ValueError(f"{out} holds a training run with other settings ({'; '.join(diff)}); use a new --out or the same settings to resume")
-    atomic_write_json(p, {**new, 'trl_notes': PAPER_TRL_NOTES})   # max_steps, save_steps, threads may change on a rerun
+    judge = {'requests': f"temperature 0, thinking off where the chat template allows (enable_thinking=False), up to {s.judge_max_new_tokens} "
+                         "new tokens per call (strategy summary, verdict)", 'no_verdict': "read as not new; a step with no verdict at all stops"}
+    atomic_write_json(p, {**new, 'trl_notes': PAPER_TRL_NOTES, 'novelty_judge': judge})   # max_steps, save_steps, threads may change on a rerun
 
 # %% ../nbs/51_rl.ipynb #a8baec17
 def last_checkpoint(out) -> Path | None:
@@ -639,6 +642,10 @@ def data_cli(d) -> None:
     d.set_defaults(func=_cmd_data)
 
 # %% ../nbs/51_rl.ipynb #eb6413e5
+PAPER_DATA = ("its released training rows (RL-training-data.parquet in the TMAS authors' release: 4.4K rows, 2.2K standard, 1.6K "
+              "experience and 0.6K guideline, built from DAPO and Skywork-OR1 problems with DeepSeek-V3.2 as the teacher running TMAS)")
+"What the TMAS paper's Hybrid-RL run trains on (its appendix; the rows are in the authors' release)."
+
 def settings_from_args(args) -> TrainSettings:
     "Defaults, then `--config` (a preset name or a JSON file), then the flags that were given."
     layers = []
@@ -647,6 +654,9 @@ def settings_from_args(args) -> TrainSettings:
         if not Path(args.config).is_file(): raise FileNotFoundError(f"--config {args.config}: no such file and not a preset ({', '.join(PRESETS)})")
         layers.append((f'--config {args.config}', read_json(args.config, '--config')))
     s = resolve(TrainSettings, *layers, args=args).validate()
+    if str(args.config).startswith('paper') and s.task == 'toy':
+        raise ValueError(f"--config {args.config}: the paper trains on {PAPER_DATA}, not on the toy task; pass --task FILE.parquet "
+                         "(that file in verl's layout, or rows of `tmas rl data` / `tmas rl teacher`)")
     if str(args.config).startswith('paper') and s.reward == 'hybrid' and not s.judge:
         raise ValueError(f"--config {args.config}: the paper judges a rollout's novelty at the guideline level with an LLM; pass --judge "
                          "MODEL_OR_URL (the MiniLM heuristic is for demos without --config paper; tmas_nb.rewards.novelty_agreement measures both)")

@@ -12,7 +12,7 @@ import pandas as pd
 import pyarrow as pa, pyarrow.parquet as pq
 
 from .core import atomic_write_json, folder_lock, terminal_safe, read_untrusted_json
-from .data import load_benchmark, first_k, read_problem_ids, select_problems
+from .data import load_benchmark, first_k, read_problem_ids, select_problems, problem_list_digest, problem_list_info
 from .llm.cache import CachedLLM, open_cache_db
 from .llm.core import engine_stats, run_sync
 from .llm.engines import choose_engine, run_width
@@ -40,13 +40,13 @@ from asyncio import CancelledError
 # %% auto #0
 __all__ = ['METHOD_ROLES', 'ARM_SOURCES', 'STRUCTURE', 'GUIDELINE_RULES', 'ENDPOINT_ROLES', 'LONG_CPU_RUN_S', 'RUNS_FILE',
            'CUT_WARNING', 'CUT_COST', 'PRESET_HELP', 'record_server', 'resolve_auto_backend', 'check_run_files',
-           'RunOptions', 'sampling_by_role', 'run_record', 'start_run', 'RunInterrupted', 'stop_reason', 'record_stop',
-           'sync_run', 'context_of', 'model_context_length', 'cap_to_context', 'layer_settings', 'distiller_context',
-           'tmas_arm', 'paper_differences', 'custom_line', 'protocol_of', 'protocol_name', 'run_choices',
-           'parse_role_endpoint', 'parse_role_endpoints', 'RunPlan', 'plan_run', 'check_run_model',
-           'check_served_model', 'check_long_run', 'summary_line', 'run_independent', 'run_folders', 'independent_runs',
-           'pass_at_1_by_run', 'distillation_parts', 'cut_warning', 'run_facts', 'facts_lines', 'summary_text',
-           'run_cli', 'runs_table', 'effective_defaults', 'summary_cli', 'list_cli', 'config_from_args']
+           'RunOptions', 'sampling_by_role', 'problem_list_record', 'run_record', 'start_run', 'RunInterrupted',
+           'stop_reason', 'record_stop', 'sync_run', 'context_of', 'model_context_length', 'cap_to_context',
+           'layer_settings', 'distiller_context', 'tmas_arm', 'paper_differences', 'custom_line', 'protocol_of',
+           'protocol_name', 'run_choices', 'parse_role_endpoint', 'parse_role_endpoints', 'RunPlan', 'plan_run',
+           'check_run_model', 'check_served_model', 'check_long_run', 'summary_line', 'run_independent', 'run_folders',
+           'independent_runs', 'pass_at_1_by_run', 'distillation_parts', 'cut_warning', 'run_facts', 'facts_lines',
+           'summary_text', 'run_cli', 'runs_table', 'effective_defaults', 'summary_cli', 'list_cli', 'config_from_args']
 
 # %% ../nbs/24_runs.ipynb #b7682649
 from .core import terminal_safe
@@ -118,6 +118,7 @@ class RunOptions:
     progress: bool = True
     record: dict = field(default_factory=dict)           # further parts of config.json (preset sources, protocol, role endpoints)
     progress_every: float = 30.0                          # seconds between two progress lines when stderr is a log, not a terminal
+    problems_from: dict = field(default_factory=dict)    # how the problems were chosen: the id file and its record, --limit, whole benchmark
 
     @classmethod
     def split(cls, options: 'RunOptions | None', kw: dict) -> tuple['RunOptions', dict]:
@@ -138,11 +139,20 @@ def sampling_by_role(method: str, config: MethodConfig) -> dict:
     pick = lambda r: {k: getattr(r, k) for k in ('temperature', 'top_p', 'top_k', 'max_new_tokens')}
     return {role: pick(s.for_role(role)) for role in METHOD_ROLES.get(method, ('solution',))}
 
+def problem_list_record(problem_ids, chosen_by: dict | None = None) -> dict:
+    "The protocol's `problem_list`: how many problems the run ran, the sha256 of their ids (`problem_list_digest`) and how they were chosen."
+    ids = [str(i) for i in problem_ids]
+    return {'value': {'problems': len(set(ids)), 'sha256': problem_list_digest(ids), **(chosen_by or {})},
+            'source': "the problems this run ran: a report sets a published number beside it only over the same list (a subset such "
+                      "as TMAS's IMO-AnswerBench-50 only when the list was drawn by the paper's rule)"}
+
 def run_record(method: str, config: MethodConfig, problem_ids, model: str, backend: str, base_url: str | None,
                options: RunOptions) -> dict:
-    "`config.json` of a new run: `run_config`, the sampling of each role, and `options.record`."
+    "`config.json` of a new run: `run_config`, the sampling of each role, `options.record`, and the problem list in the protocol."
     cfg = run_config(method, config, options.benchmark, problem_ids, model, backend, base_url, options.limit, options.preset)
-    return {**cfg, 'sampling_by_role': sampling_by_role(method, config), **options.record}
+    rec = {**cfg, 'sampling_by_role': sampling_by_role(method, config), **options.record}
+    rec['protocol'] = {**(rec.get('protocol') or {}), 'problem_list': problem_list_record(problem_ids, options.problems_from)}
+    return rec
 
 # %% ../nbs/24_runs.ipynb #3bebdbbc
 async def start_run(method: str, problems, config: MethodConfig | dict | None, run_dir, model: str = 'default',
@@ -545,11 +555,13 @@ def plan_run(args) -> RunPlan:
     runs = getattr(args, 'runs', None)
     if runs is None: runs = int(((record.get('protocol') or {}).get('independent_runs') or {}).get('value') or 1)
     if runs < 1: raise ValueError(f"--runs must be >= 1, got {runs}")
-    problems = load_benchmark(args.benchmark)
-    if args.problem_ids: problems = select_problems(problems, read_problem_ids(args.problem_ids))
+    every = load_benchmark(args.benchmark)
+    problems = select_problems(every, read_problem_ids(args.problem_ids)) if args.problem_ids else every
     if args.limit is not None: problems = first_k(problems, args.limit)
+    chosen = {'whole_benchmark': len(problems) == len(every), **({'limit': args.limit} if args.limit is not None else {}),
+              **({'file': str(Path(args.problem_ids).expanduser().resolve()), 'made_by': problem_list_info(args.problem_ids)} if args.problem_ids else {})}
     bench = benchmark_name(args.benchmark) if not Path(args.benchmark).exists() else str(Path(args.benchmark).resolve())
-    opts = RunOptions(bench, args.limit, args.preset, args.concurrency, not args.quiet, record, getattr(args, 'progress_every', 30.0))
+    opts = RunOptions(bench, args.limit, args.preset, args.concurrency, not args.quiet, record, getattr(args, 'progress_every', 30.0), chosen)
     kw = _backend_kw(args, ms)
     if ms.backend == 'openai':   # every candidate chain of every problem in flight, unless told
         kw['max_concurrency'] = args.requests_in_flight or max(16, args.concurrency * int(getattr(config, 'n_candidates', 1) or 1))

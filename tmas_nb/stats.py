@@ -18,11 +18,12 @@ sm_power = lazy_import('statsmodels.stats.power')
 from .run_folder import carry_forward, judge_columns
 
 # %% auto #0
-__all__ = ['sps', 'sm_tables', 'sm_multitest', 'sm_power', 'CONFIDENCE', 'N_BOOT', 'PERMUTATIONS', 'EXACT_FLIPS', 'problem_rates',
-           'bootstrap_interval', 'mean_interval', 'pass_at_1_intervals', 'pooled_rates', 'simulate_coverage',
-           'sign_flip_p', 'paired_difference', 'mcnemar_exact', 'compare_paired', 'holm', 'add_holm', 'welch',
-           'group_difference', 'significance_vs_baseline', 'runs_comparison', 'detectable_difference', 'power_sentence',
-           'interval_note', 'p_value_note']
+__all__ = ['sps', 'sm_tables', 'sm_multitest', 'sm_power', 'CONFIDENCE', 'N_BOOT', 'PERMUTATIONS', 'EXACT_FLIPS',
+           'TABLE7_BASELINES', 'RSE_MATH', 'problem_rates', 'bootstrap_interval', 'mean_interval',
+           'pass_at_1_intervals', 'pooled_rates', 'simulate_coverage', 'sign_flip_p', 'paired_difference',
+           'mcnemar_exact', 'compare_paired', 'holm', 'add_holm', 'welch', 'group_difference',
+           'significance_vs_baseline', 'runs_comparison', 'run_level_tests', 'table7', 'detectable_difference',
+           'power_sentence', 'interval_note', 'p_value_note']
 
 # %% ../nbs/30a_stats.ipynb #3c20a999
 CONFIDENCE = 0.95
@@ -222,6 +223,45 @@ def runs_comparison(runs_a: Sequence[pd.Series], runs_b: Sequence[pd.Series], se
             'mean_b': paper['mean_b'], 'std_b': paper['std_b'], 'welch_p': paper['p_value'], 'welch_note': paper['note'],
             'diff': ours['diff'], 'diff_low': ours['diff_low'], 'diff_high': ours['diff_high'], 'p': ours['p'],
             'problems': ours['problems']}
+
+# %% ../nbs/30a_stats.ipynb #bfce21aa
+def run_level_tests(a: pd.Series, b: pd.Series) -> dict:
+    "Run-level values of a method and a baseline (Series indexed by seed): mean ± std of each, Welch's t-test, and the paired t-test over the seeds both have."
+    s = significance_vs_baseline(list(a.values), list(b.values))
+    common = a.index.intersection(b.index)
+    d = (a[common] - b[common]).astype(float)
+    if len(common) < 2: p, why = float('nan'), f"paired t-test needs at least 2 seeds both sides ran (have {len(common)})"
+    elif float(np.var(d, ddof=1)) == 0: p, why = float('nan'), "the paired differences do not vary; the paired t-test is undefined"
+    else: p, why = float(sps.ttest_rel(a[common], b[common]).pvalue), ''
+    return {**{k: s[k] for k in ('mean_a', 'std_a', 'n_a', 'mean_b', 'std_b', 'n_b', 'delta')}, 'welch_p': s['p_value'],
+            'paired_p': p, 'paired_runs': int(len(common)), 'note': '; '.join(x for x in (s['note'], why) if x)}
+
+# %% ../nbs/30a_stats.ipynb #d2bf7cd1
+TABLE7_BASELINES = ('self-refine', 'pacore')
+"The baselines RSE's Table 7 picks the strongest from (its iterative ones)."
+RSE_MATH = ('hmmt24', 'hmmt25', 'imo_answerbench', 'hle_math_100')
+"The four benchmarks of RSE's 'Math Benchmarks Avg.' row."
+
+def _table7_row(v: pd.DataFrame, what: dict, method: str, baselines) -> dict:
+    "One row of `table7` from run-level values `v` (label, seed, value) of one benchmark (or the math average) and model."
+    means = {l: v[v.label == l].value.mean() for l in baselines if (v.label == l).any()}
+    if not means or not (v.label == method).any():
+        return {**what, 'method': method, 'baseline': None, 'note': f"needs runs of {method} and of one of {', '.join(baselines)}"}
+    best = max(means, key=means.get)
+    side = lambda l: v[v.label == l].groupby('seed').value.mean()
+    return {**what, 'method': method, 'baseline': best, **run_level_tests(side(method), side(best))}
+
+def table7(finals: pd.DataFrame, method: str = 'rse', baselines=TABLE7_BASELINES, math=RSE_MATH) -> pd.DataFrame:
+    "RSE Table 7 from run-level final Pass@1 (`finals`: benchmark, model, label, seed, value): per (benchmark, model), then the per-run math average ('math avg'), `method` against the strongest of `baselines` by mean."
+    rows = [_table7_row(g, dict(benchmark=b, model=m), method, baselines) for (b, m), g in finals.groupby(['benchmark', 'model'], sort=False)]
+    for m, g in finals[finals.benchmark.isin(math)].groupby('model', sort=False):
+        per = g.groupby(['label', 'seed', 'benchmark']).value.mean().unstack('benchmark')
+        full = per.dropna(subset=[b for b in math if b in per.columns]) if set(math) <= set(per.columns) else per.iloc[0:0]
+        avg = full.mean(axis=1).rename('value').reset_index()
+        if len(avg): rows.append(_table7_row(avg, dict(benchmark='math avg', model=m), method, baselines))
+    cols = ['benchmark', 'model', 'method', 'baseline', 'n_a', 'mean_a', 'std_a', 'n_b', 'mean_b', 'std_b', 'delta', 'welch_p', 'paired_p',
+            'paired_runs', 'note']
+    return pd.DataFrame(rows).reindex(columns=cols)
 
 # %% ../nbs/30a_stats.ipynb #a88902ae
 def detectable_difference(problems: int, candidates: int, rates=0.5, alpha: float = 0.05, power: float = 0.8) -> float:

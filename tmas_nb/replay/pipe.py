@@ -12,9 +12,9 @@ import tmas_nb
 # %% auto #0
 __all__ = ['K_READY', 'K_FATAL', 'K_BATCH', 'K_DONE', 'K_ERROR', 'K_START', 'K_SEED', 'K_END', 'K_DIGEST', 'K_JOB', 'K_TASK',
            'K_REPLY', 'K_QUIT', 'OP_PROBE_NEW', 'OP_PROBE_MORE', 'OP_FINAL_NEW', 'OP_BRANCH', 'OP_ADVANCE',
-           'OP_READ_WHOLE', 'OP_PROBE', 'OP_PRUNE', 'OP_ANSWER', 'OP_DIGEST', 'OP_ANSWERED', 'OP_DIGESTED', 'E_CEILING',
-           'E_RANGE', 'E_INDEX', 'E_ILLEGAL', 'FL_FINISHED', 'FL_NEW', 'ProtocolError', 'PipeTimeout', 'PipeClosed',
-           'frame', 'ChildPipe', 'FrameReader', 'FrameWriter']
+           'OP_READ_WHOLE', 'OP_PROBE', 'OP_PRUNE', 'OP_ANSWER', 'OP_DIGEST', 'OP_ANSWERED', 'OP_DIGESTED', 'OP_TRACE',
+           'TRACE_BYTES', 'E_CEILING', 'E_RANGE', 'E_INDEX', 'E_ILLEGAL', 'FL_FINISHED', 'FL_NEW', 'ProtocolError',
+           'PipeTimeout', 'PipeClosed', 'frame', 'ChildPipe', 'FrameReader', 'FrameWriter']
 
 # %% ../../nbs/07a_replay_pipe.ipynb #07baa0f4
 class ProtocolError(Exception):
@@ -39,6 +39,8 @@ OP_PROBE_NEW, OP_PROBE_MORE, OP_FINAL_NEW = 1, 2, 3          # the authors' API:
 OP_BRANCH, OP_ADVANCE, OP_READ_WHOLE, OP_PROBE, OP_PRUNE = 4, 5, 6, 7, 8     # ours: BRANCH, CONTINUE(i), READ_WHOLE, PROBE(i), PRUNE(i)
 OP_ANSWER, OP_DIGEST = 9, 10                                  # an episode's answer; a state digest (argument: bytes of text that follow)
 OP_ANSWERED, OP_DIGESTED = 11, 12                             # the parent's own marks on a note it has read (a child cannot send them)
+OP_TRACE = 13                                                # a traced episode's own trace from the controller (argument: bytes of JSON)
+TRACE_BYTES = 1 << 16                                        # the most one controller trace may take (its steps are cut to fit)
 E_CEILING, E_RANGE, E_INDEX, E_ILLEGAL = -2, -3, -4, -5       # refusals: past max_branches, ValueError, IndexError, IllegalAction
 FL_FINISHED, FL_NEW = 1, 2                                    # reply flags: the branch is finished; the answer is new to this episode
 

@@ -40,10 +40,11 @@ class EvalResult:
     trace_api: str | None = None
     trace_logs: list | None = field(default=None, repr=False)
     trace_errors: list | None = None     # with kept logs: per question, why that episode failed (the ceiling), or None
+    trace_own: list | None = field(default=None, repr=False)   # with kept logs: per question, the controller's own trace (get_last_trace), or None
 
 # %% ../../nbs/05a_replay_results.ipynb #2a6ce02d
 _FILE_ONLY = ('error', 'api', 'sandbox', 'limits', 'eval_path', 'max_branches', 'over_max_branches', 'unrevealed', 'seconds')
-_TRACE = ('trace_seed', 'trace_api', 'trace_logs', 'trace_errors')
+_TRACE = ('trace_seed', 'trace_api', 'trace_logs', 'trace_errors', 'trace_own')
 
 def _keys(r: EvalResult, per_question: bool | None) -> list:
     "The keys of `r`'s dict, in the order they are written."

@@ -14,7 +14,7 @@ from .fast import (serve_kernel, serve_loop, ST_FRAME, ST_CLOSED, ST_IO, ST_TIME
                                  ST_KEPT, ST_REPLY)
 from .pipe import (FrameReader, FrameWriter, ProtocolError, PipeClosed, PipeTimeout, K_READY, K_FATAL, K_BATCH,
                                  K_DONE, K_ERROR, K_JOB, K_TASK, K_REPLY, K_QUIT, OP_PROBE_NEW, OP_PROBE_MORE, OP_FINAL_NEW,
-                                 OP_BRANCH, OP_ADVANCE, OP_READ_WHOLE, OP_ANSWER, OP_DIGEST, OP_ANSWERED, OP_DIGESTED, _child_argv,
+                                 OP_BRANCH, OP_ADVANCE, OP_READ_WHOLE, OP_ANSWER, OP_DIGEST, OP_ANSWERED, OP_DIGESTED, OP_TRACE, TRACE_BYTES, _child_argv,
                                  _child_env, _death_cause,
                                  _stderr_tail)
 from .tally import _Tally, _KEPT_ACTIONS, _ceiling_note
@@ -80,13 +80,13 @@ class _Plan:
         self.out = self.reply[2:].reshape(n, 4)              # the replies, behind the reply's (count, new answers) header
         self.args = (self.out, self.newq, self.kept, self.ls, self.lbr, self.lseen, self.plan, self.lane_off, self.orders, st.probes,
                      st.n_probes, st.finals, st.tokens, st.probe_freq, st.n_branches, st.gold)
-        self.digests, self.answers, self.logs, self.counts = {}, {}, {}, {}
+        self.digests, self.answers, self.logs, self.counts, self.own = {}, {}, {}, {}, {}
         self.meta, self.row_of = rows, {id(e): r for r, e in enumerate(rows)}
 
     def message(self, mode: str) -> bytes:
-        "The `K_TASK` the child gets: per episode only (position, probe_freq, branches, whether to report a digest)."
+        "The `K_TASK` the child gets: per episode only (position, probe_freq, branches, flags: 1 report a digest, 2 send the controller's own trace)."
         st = self.ev.store
-        lanes = [[[e['p'], int(st.probe_freq[e['q']]), int(st.n_branches[e['q']]), e['flags'] & _DIGEST] for e in lane] for lane in self.lanes]
+        lanes = [[[e['p'], int(st.probe_freq[e['q']]), int(st.n_branches[e['q']]), e['flags'] & (_DIGEST | _KEEP)] for e in lane] for lane in self.lanes]
         return json.dumps({'t': self.t, 'config': self.config, 'mode': 'extras' if self.of is not None else mode, 'of': self.of,
                            'keep': self.keep, 'max_branches': self.ev.mb, 'lanes': lanes}).encode()
 
@@ -118,7 +118,7 @@ _Plan.batch, _Plan.reply_bytes = _batch, _reply_bytes
 
 # %% ../../nbs/07e_replay_safe.ipynb #38b8af1b
 def _notes(self: _Plan, req, idx: list, p: bytes, off: int) -> None:
-    "Read the answers and digests of a batch (in order), resolving each answer to its store id in `req`."
+    "Read the answers, digests and controller traces of a batch (in order), resolving each answer to its store id in `req`."
     ev, L, pending = self.ev, len(self.lanes), {}
     for i in idx:
         if not 0 <= i < len(req): raise ProtocolError(f"a note at request {i} of {len(req)}")
@@ -145,8 +145,22 @@ def _notes(self: _Plan, req, idx: list, p: bytes, off: int) -> None:
                     or len(dd) != 2 or not all(v is None or isinstance(v, str) and len(v) < 100 for v in dd)):
                 raise ProtocolError("a state digest the parent did not ask for")
             self.digests[row_d] = dd; req[i, 1] = OP_DIGESTED
+        elif op == OP_TRACE:
+            row_t, trace, off = self._own_trace(l, x, p, off, int(self.ls[l, 0]) + pending.get(l, 0))
+            self.own[row_t] = trace; req[i, 1] = OP_DIGESTED
         else: raise ProtocolError(f"operation {op} at a note's place")
     if off != len(p): raise ProtocolError("text left over after the answers")
+
+def _own_trace(self: _Plan, l: int, x: int, p: bytes, off: int, answered: int) -> tuple[int, list, int]:
+    "(row, steps, offset after it) of a controller's own trace note of lane `l`: JSON of at most `TRACE_BYTES`, for an answered episode the parent marked."
+    if x < 0 or x > TRACE_BYTES or off + x > len(p): raise ProtocolError("a controller trace longer than the batch or than its cap")
+    try: d = json.loads(p[off:off + x])
+    except (ValueError, UnicodeDecodeError, RecursionError): raise ProtocolError("a controller trace that is not JSON") from None
+    k = d.get('k') if isinstance(d, dict) else None
+    row = int(self.lane_off[l]) + k if isinstance(k, int) and not isinstance(k, bool) and 0 <= k < answered else None
+    if row is None or not self.meta[row]['flags'] & _KEEP or row in self.own or not isinstance(d.get('trace'), list):
+        raise ProtocolError("a controller trace the parent did not ask for")
+    return row, d['trace'], off + x
 
 def _keep(self: _Plan, kept: list) -> None:
     "Append kept actions (row, code) to their episodes' logs, up to `_KEPT_ACTIONS` each."
@@ -155,7 +169,7 @@ def _keep(self: _Plan, kept: list) -> None:
         if log is None: log = self.logs[row] = array('q')
         self.counts[row] = self.counts.get(row, 0) + 1
         if len(log) < _KEPT_ACTIONS: log.append(code)
-_Plan._notes, _Plan._keep = _notes, _keep
+_Plan._notes, _Plan._own_trace, _Plan._keep = _notes, _own_trace, _keep
 
 # %% ../../nbs/07e_replay_safe.ipynb #af3f0c4f
 class _Session:
@@ -391,17 +405,19 @@ def _fill(self: _SafeEval, per_child: list) -> None:
         T.got[t], T.correct[t], T.cost[t] = r[..., 0] == 1, r[..., 1] == 1, r[..., 2]
         T.over[t], T.unrevealed[t] = int((r[..., 3] & 1).sum()), int(((r[..., 3] & 2) != 0).sum())
         if not self.keep_logs: continue
-        logs, notes = [None] * Q, [None] * Q
+        logs, notes, own = [None] * Q, [None] * Q, [None] * Q
         for plans in per_child:
             p = plans[t]
             for row, m in enumerate(p.meta):
                 if m['s'] != 0 or not m['flags'] & _KEEP: continue
                 codes = p.logs.get(row, array('q')).tolist()
                 logs[m['q']] = (p.answers.get(row), codes if T.api[t] == 'authors' else _ours_codes(codes))
+                own[m['q']] = p.own.get(row)
                 n = p.counts.get(row, 0)
                 if r[0, m['q'], 3] & 1: notes[m['q']] = _ceiling_note(self.mb, _WHAT.get(int(r[0, m['q'], 3] >> 4), 'a branch'))
                 elif n > _KEPT_ACTIONS: notes[m['q']] = f"the log is cut at {_KEPT_ACTIONS} of its {n} actions"
         T.logs[t], T.trace_errors[t] = logs, notes
+        if any(o is not None for o in own): T.own[t] = own
 _SafeEval._fill = _fill
 
 # %% ../../nbs/07e_replay_safe.ipynb #561488a5

@@ -15,12 +15,12 @@ from .child import _answer_note, _one_line, _where, memoise_scipy, state_digest
 from .environment import BranchCeilingError, IllegalAction, ceiling_message
 from .pipe import (ChildPipe, PipeClosed, K_READY, K_FATAL, K_BATCH, K_DONE, K_ERROR, K_TASK, K_REPLY, OP_PROBE_NEW,
                    OP_PROBE_MORE, OP_FINAL_NEW, OP_BRANCH, OP_ADVANCE, OP_READ_WHOLE, OP_PROBE, OP_PRUNE, OP_ANSWER, OP_DIGEST,
-                   E_CEILING, E_RANGE, E_INDEX, E_ILLEGAL, FL_FINISHED, FL_NEW)
+                   OP_TRACE, TRACE_BYTES, E_CEILING, E_RANGE, E_INDEX, E_ILLEGAL, FL_FINISHED, FL_NEW)
 
 # %% auto #0
 __all__ = ['SafeQuestion', 'probe_new', 'probe_more', 'get_new_branch_final_answer', 'get_cost_per_branch_active',
            'get_seq_and_total_tokens', 'SafeEnv', 'branch_id', 'read_whole_id', 'advance_id', 'probe', 'prune',
-           'run_task', 'safe_child_main']
+           'own_trace', 'run_task', 'safe_child_main']
 
 # %% ../../nbs/07c_replay_safe_child.ipynb #bd8e7999
 _BH = struct.Struct('<qq')          # a reply header: replies, answers new to their episodes (int64, as the replies)
@@ -265,6 +265,21 @@ def _failure(e: BaseException, fname: str, lane: int, k: int, phase: str) -> _La
     return _LaneFailed(dict(lane=lane, k=k, phase=phase, type=type(e).__name__, where=_where(e, fname), msg=msg,
                             memory=isinstance(e, MemoryError)))
 
+# %% ../../nbs/07c_replay_safe_child.ipynb #7c4524a1
+def own_trace(inst, k: int) -> bytes | None:
+    "The note text of episode `k`'s own trace (`{'k', 'steps', 'trace'}`, its steps cut to fit `TRACE_BYTES`), or None when the controller keeps none."
+    get = getattr(inst, 'get_last_trace', None)
+    if not callable(get): return None
+    try: steps = list(get())
+    except Exception: return None
+    out, room = [], TRACE_BYTES - 64
+    for s in steps:
+        try: b = json.dumps(s, default=str, allow_nan=False)
+        except (TypeError, ValueError, RecursionError): b = json.dumps(str(s)[:200])
+        if len(b) + 2 > room: break
+        out.append(b); room -= len(b) + 2
+    return ('{"k": %d, "steps": %d, "trace": [%s]}' % (k, len(steps), ', '.join(out))).encode()
+
 # %% ../../nbs/07c_replay_safe_child.ipynb #13ab313d
 def _run_lane(hub: _Hub, lane: _Lane, episodes: list, job: dict, task: dict, shared_ns: dict | None):
     "The greenlet of one lane: load (or share) the file, build the instance (or take a kept one), solve each episode, note its answer."
@@ -290,6 +305,7 @@ def _run_lane(hub: _Hub, lane: _Lane, episodes: list, job: dict, task: dict, sha
         if flags & 1:
             d = json.dumps({'k': k, 'd': state_digest(inst if api == 'authors' else None, ns)}).encode()
             hub.note(lane, OP_DIGEST, len(d), d)
+        if flags & 2 and api == 'authors' and (t := own_trace(inst, k)) is not None: hub.note(lane, OP_TRACE, len(t), t)
     if task.get('keep'): hub.kept[(task['t'], lane.id)] = (ns, cls, inst, cfg)
 
 def _namespace(job: dict) -> dict:

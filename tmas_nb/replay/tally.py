@@ -87,7 +87,7 @@ class _Tally:
         self.correct, self.cost, self.got = np.zeros((K, S, Q), bool), np.zeros((K, S, Q)), np.zeros((K, S, Q), bool)
         self.unrevealed, self.over = np.zeros(K, int), np.zeros(K, int)
         self.errors, self.api = [None] * K, [static_api] * K
-        self.orders, self.logs, self.trace_errors = {}, [None] * K, [None] * K
+        self.orders, self.logs, self.trace_errors, self.own = {}, [None] * K, [None] * K, [None] * K
         self.records = _records_of(store)[0]
         self.ours = None
         self.vid = [{a: i for i, a in enumerate(v)} for v in store.vocab]
@@ -169,5 +169,6 @@ def results(self:_Tally, names: list, mode: str, secs: float, n_boot: int = 2000
                        over_max_branches=int(self.over[k]), unrevealed=int(self.unrevealed[k]), seconds=secs)
         if self.keep_logs:
             r.trace_seed, r.trace_api, r.trace_logs, r.trace_errors = self.seeds[0], self.api[k], self.logs[k], self.trace_errors[k]
+            r.trace_own = self.own[k]
         out.append(r)
     return out
