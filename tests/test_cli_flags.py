@@ -29,7 +29,7 @@ FLAGS = {
     '--llama-slots': ('llama.cpp slots', {'run'}),
     '--max-n-per-call': ('most samples asked of a server in one call', {'run'}),
     '--requests-in-flight': ('most HTTP requests in flight to --base-url', {'replay build', 'run'}),
-    '--progress-every': ('seconds between two progress lines when stderr is a log', {'run'}),
+    '--progress-every': ('seconds between two progress lines when stderr is a log', {'run', 'gateway'}),
     '--decode': ('the in-process decode loop', {'doctor'}),
     '--engines': ('a subset of the CPU engines', {'engines calibrate'}),
     '--tokenizer': ("the served model's tokenizer", {'replay build'}),
