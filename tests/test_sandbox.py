@@ -460,7 +460,7 @@ def test_rw_folders_are_given_for_the_sandbox_life_and_taken_back(tmp_path, enfo
     prog = ("import os; open('/rw/tool', 'w').write('x'); os.chmod('/rw/tool', 0o6755); os.mkfifo('/rw/pipe'); "
             "os.symlink('/etc/shadow', '/rw/link'); print(os.stat('/rw/given').st_uid, os.stat('/rw').st_uid)")
     prog = prog.replace('/rw', str(d))
-    with sandbox.Sandbox([sys.executable, '-c', prog], sandbox.SandboxLimits(memory_mb=256), rw=[str(d)], stdout=subprocess.PIPE) as sb:
+    with sandbox.Sandbox([sys.executable, '-c', prog], sandbox.SandboxLimits(memory_mb=256), access=sandbox.SandboxAccess(rw=[str(d)]), stdout=subprocess.PIPE) as sb:
         inside = sb.proc.communicate(timeout=60)[0].split()
     assert inside == [b'65534', b'65534'], inside                   # the sandbox's own files, inside and out
     assert sorted(p.name for p in d.iterdir()) == ['given', 'link', 'tool']

@@ -377,8 +377,9 @@ class HybridReward:
 # %% ../nbs/50_rewards.ipynb #1938608d
 @patch
 async def __call__(self: HybridReward, prompts, completions, gold, objective, half=None, problem_id=None, guidelines=None,
-                   question=None, completion_ids=None, log_metric=None, **kw) -> list[float]:
-    "The rewards of one batch (logging, with novelty rows, the shares judged new, without a verdict and cut); an unserved row is a `ValueError` naming the row, a batch the judge answered nothing on `NoVerdicts`."
+                   question=None, completion_ids=None, **kw) -> list[float]:
+    "The rewards of one batch (logging through `kw['log_metric']`, TRL's, with novelty rows the shares judged new, without a verdict and cut); an unserved row is a `ValueError` naming the row, a batch the judge answered nothing on `NoVerdicts`."
+    log_metric = kw.get('log_metric')    # TRL passes it, its trainer state and the columns no reward reads as keywords
     n, texts = len(completions), [completion_text(c) for c in completions]
     frs = _finish_reasons(completion_ids, self.eos, self.max_len)
     correct = [x > 0 for x in correctness_reward(texts, gold, frs)]

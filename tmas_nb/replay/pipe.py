@@ -4,7 +4,7 @@
 
 # %% ../../nbs/07a_replay_pipe.ipynb #5201730b
 from __future__ import annotations
-import os, select, signal, struct, sys, threading, time
+import os, select, shutil, signal, struct, subprocess, sys, tempfile, threading, time
 from pathlib import Path
 
 import tmas_nb
@@ -142,3 +142,25 @@ def _death_cause(rc, stderr_tail: str, memory_mb: int) -> str:
     if last and 'MemoryError' in last[-1]: return f"memory limit of {memory_mb} MB reached"
     line = ' '.join(last[-1].split())[:200] if last else ''
     return f"the child process exited with status {rc}" + (f": {line}" if line else '')
+
+# %% ../../nbs/07a_replay_pipe.ipynb #075a5866
+def _start_child(main: str, limits, mode: str, prefix: str):
+    "(sandbox, working folder or None) of a child running `module:function` `main` under `mode` with `limits`, its three pipes open."
+    from tmas_nb.sandbox import Sandbox, SandboxAccess         # here, so that a child importing this module does not load the sandbox
+    cwd = tempfile.mkdtemp(prefix=prefix) if mode != 'bwrap' else None
+    sb = Sandbox(_child_argv(main), limits, mode, SandboxAccess(env=_child_env('/tmp' if mode == 'bwrap' else cwd), cwd=cwd),
+                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return sb, cwd
+
+def _end_child(sb, cwd: str | None, wait: bool, pipes: tuple) -> None:
+    "Give the child of `sb` 5 s to exit when `wait`, kill what is left, release the sandbox, close `pipes` and remove `cwd`."
+    proc = sb.proc
+    if wait and proc.poll() is None:
+        try: proc.wait(timeout=5)
+        except subprocess.TimeoutExpired: pass
+    if proc.poll() is None: sb.kill()
+    sb.close()
+    for f in pipes:
+        try: f.close()
+        except OSError: pass
+    if cwd: shutil.rmtree(cwd, ignore_errors=True)

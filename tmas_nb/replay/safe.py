@@ -6,6 +6,8 @@
 from __future__ import annotations
 import hashlib, json, math, random, shutil, struct, subprocess, tempfile, threading, time, weakref
 from array import array
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -15,13 +17,13 @@ from .fast import (serve_kernel, serve_loop, ST_FRAME, ST_CLOSED, ST_IO, ST_TIME
 from .pipe import (FrameReader, FrameWriter, ProtocolError, PipeClosed, PipeTimeout, K_READY, K_FATAL, K_BATCH,
                                  K_DONE, K_ERROR, K_JOB, K_TASK, K_REPLY, K_QUIT, OP_PROBE_NEW, OP_PROBE_MORE, OP_FINAL_NEW,
                                  OP_BRANCH, OP_ADVANCE, OP_READ_WHOLE, OP_ANSWER, OP_DIGEST, OP_ANSWERED, OP_DIGESTED, OP_TRACE, TRACE_BYTES, _child_argv,
-                                 _child_env, _death_cause,
+                                 _child_env, _death_cause, _end_child, _start_child,
                                  _stderr_tail)
 from .tally import _Tally, _KEPT_ACTIONS, _ceiling_note
 from ..sandbox import Sandbox, SandboxLimits, redact
 
 # %% auto #0
-__all__ = ['presentation_order', 'evaluate_safe']
+__all__ = ['presentation_order', 'ControllerFile', 'evaluate_safe']
 
 # %% ../../nbs/07e_replay_safe.ipynb #7ea7328a
 _KEYS: dict = {}
@@ -150,7 +152,9 @@ def _notes(self: _Plan, req, idx: list, p: bytes, off: int) -> None:
             self.own[row_t] = trace; req[i, 1] = OP_DIGESTED
         else: raise ProtocolError(f"operation {op} at a note's place")
     if off != len(p): raise ProtocolError("text left over after the answers")
+_Plan._notes = _notes
 
+# %% ../../nbs/07e_replay_safe.ipynb #2d7c67bc
 def _own_trace(self: _Plan, l: int, x: int, p: bytes, off: int, answered: int) -> tuple[int, list, int]:
     "(row, steps, offset after it) of a controller's own trace note of lane `l`: JSON of at most `TRACE_BYTES`, for an answered episode the parent marked."
     if x < 0 or x > TRACE_BYTES or off + x > len(p): raise ProtocolError("a controller trace longer than the batch or than its cap")
@@ -161,7 +165,9 @@ def _own_trace(self: _Plan, l: int, x: int, p: bytes, off: int, answered: int) -
     if row is None or not self.meta[row]['flags'] & _KEEP or row in self.own or not isinstance(d.get('trace'), list):
         raise ProtocolError("a controller trace the parent did not ask for")
     return row, d['trace'], off + x
+_Plan._own_trace = _own_trace
 
+# %% ../../nbs/07e_replay_safe.ipynb #8de368b7
 def _keep(self: _Plan, kept: list) -> None:
     "Append kept actions (row, code) to their episodes' logs, up to `_KEPT_ACTIONS` each."
     for row, code in kept:
@@ -169,7 +175,7 @@ def _keep(self: _Plan, kept: list) -> None:
         if log is None: log = self.logs[row] = array('q')
         self.counts[row] = self.counts.get(row, 0) + 1
         if len(log) < _KEPT_ACTIONS: log.append(code)
-_Plan._notes, _Plan._own_trace, _Plan._keep = _notes, _own_trace, _keep
+_Plan._keep = _keep
 
 # %% ../../nbs/07e_replay_safe.ipynb #af3f0c4f
 class _Session:
@@ -259,10 +265,8 @@ def _child(self: _Session, first: int) -> int:
     "Start a child and serve plans from `first`; the index of the next plan still to serve."
     ev, s = self.ev, self.ev.s
     cpu = int(math.ceil(s.timeout * (len(self.plans) - first))) + 10
-    cwd = tempfile.mkdtemp(prefix='tmas_safe_') if ev.mode != 'bwrap' else None
-    sb = Sandbox(_child_argv('tmas_nb.replay.safe_child:safe_child_main'), SandboxLimits(memory_mb=int(s.memory_mb), cpu_s=cpu),
-                 ev.mode, env=_child_env('/tmp' if ev.mode == 'bwrap' else cwd), cwd=cwd, stdin=subprocess.PIPE,
-                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    sb, cwd = _start_child('tmas_nb.replay.safe_child:safe_child_main', SandboxLimits(memory_mb=int(s.memory_mb), cpu_s=cpu),
+                           ev.mode, 'tmas_safe_')
     proc, cur, failed = sb.proc, None, None
     tail = _stderr_tail(proc)
     try:
@@ -293,16 +297,7 @@ def _child(self: _Session, first: int) -> int:
     except (ProtocolError, ValueError, UnicodeDecodeError) as e:
         failed = f"broke the protocol ({_one_line(str(e), 160)}); the child was stopped"
     except PipeClosed: pass
-    finally:
-        if cur is None and failed is None and proc.poll() is None:
-            try: proc.wait(timeout=5)
-            except subprocess.TimeoutExpired: pass
-        if proc.poll() is None: sb.kill()
-        sb.close()
-        for f in (proc.stdin, proc.stdout, proc.stderr):
-            try: f.close()
-            except OSError: pass
-        if cwd: shutil.rmtree(cwd, ignore_errors=True)
+    finally: _end_child(sb, cwd, cur is None and failed is None, (proc.stdin, proc.stdout, proc.stderr))
     if failed is None:
         time.sleep(0.05)
         failed = _death_cause(proc.returncode, ''.join(tail), s.memory_mb)
@@ -321,9 +316,18 @@ def _answer_bytes(vocab_bytes: list, n_vocab: int) -> tuple:
     return np.frombuffer(b''.join(b for v in vocab_bytes for b in v) or b'\0', np.uint8).copy(), off, ln
 
 # %% ../../nbs/07e_replay_safe.ipynb #e855bc78
+@dataclass(frozen=True)
+class ControllerFile:
+    "A controller file that passed its checks: its path, the class to run, its source text, and the API read from the source ('ours', 'authors', or None when undecided)."
+    path: Path
+    class_name: str
+    source: str
+    static_api: str | None = None
+
 class _SafeEval:
     "One safe evaluation of a file on a store: the shared facts and the score arrays."
-    def __init__(self, path, class_name, configs, store, seeds, s, mode, source, static_api, keep_logs, mb):
+    def __init__(self, file: ControllerFile, configs, store, seeds, s, mode, keep_logs, mb):
+        path, class_name, source, static_api = file.path, file.class_name, file.source, file.static_api
         self.path, self.fname, self.class_name, self.configs, self.store, self.seeds = path, path.name, class_name, configs, store, seeds
         self.s, self.mode, self.static_api, self.keep_logs, self.mb = s, mode, static_api, keep_logs, mb
         self.mb_kernel = -1 if mb is None else int(mb)
@@ -447,12 +451,12 @@ def _warm_serve_kernel() -> None:
         serve_loop(-1, -1, u8, 0, 1, 0, u8, z(1, 3, d=np.int32), z(1, 2), 0, u8, z(1, 1), z(1, 1), z(6), z(1, 4), z(1, 2), *state)
     except Exception: pass
 
-def evaluate_safe(path, class_name, configs, store, seeds, s, mode, source, static_api, names, n_boot, keep_logs, mb) -> list:
-    "The results of `configs` of a file on `store` with the store in the parent only (see `evaluate_file`)."
+def evaluate_safe(file: ControllerFile, configs, store, seeds, s, mode, names, n_boot, keep_logs, mb) -> list:
+    "The results of `configs` of controller `file` on `store` with the store in the parent only (see `evaluate_file`)."
     threading.Thread(target=_warm_serve_kernel, daemon=True).start()
     t0 = time.perf_counter()
-    ev = _SafeEval(path, class_name, configs, store, seeds, s, mode, source, static_api, keep_logs, mb)
-    check = static_api != 'ours' and not s.stateless
+    ev = _SafeEval(file, configs, store, seeds, s, mode, keep_logs, mb)
+    check = file.static_api != 'ours' and not s.stateless
     exact = ev.run(True, check)
     if check and ev.tally.api[0] == 'authors' and not exact:
         ev.run(False, False)                          # unproven: one lane, as a serial run of the file
