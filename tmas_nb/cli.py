@@ -27,6 +27,7 @@ GROUPS = {
     'cache': 'the call caches of runs and judges',
 }
 
+# %% ../nbs/99_cli.ipynb #323d9573
 COMMANDS = {   # command: (module:function that adds its flags, help, description)
     'replay eval': ('tmas_nb.replay.commands:eval_cli', "evaluate one controller on one replay store (authors' protocol)",
                     'Evaluate one controller on one store. SPEC examples: sc:k=64, asc:max_samples=64,threshold=0.95, '
@@ -130,7 +131,6 @@ COMMANDS = {   # command: (module:function that adds its flags, help, descriptio
                'configs/device_check/, CPU/GPU parity, our engine against model.generate, the live probe path and one '
                'GRPO step, at tiny sizes on a CPU.'),
 }
-
 
 # %% ../nbs/99_cli.ipynb #85237b11
 DOCS_URL = 'https://tmas-nb.github.io/tmas_nb/'   # settings.ini's doc_host + doc_baseurl (tests/test_docs.py checks)
@@ -305,6 +305,7 @@ def save_traceback(e: BaseException) -> Path:
         except OSError: continue
     raise e
 
+# %% ../nbs/99_cli.ipynb #329ec351
 def run_command(args) -> int:
     "Run the parsed subcommand `args.func(args)`; expected errors exit 2 with one line, bugs exit 1 with a saved traceback."
     try: return int(args.func(args) or 0)
@@ -322,6 +323,7 @@ def run_command(args) -> int:
         print(f'tmas: unexpected error: {type(e).__name__}: {first} (full traceback: {save_traceback(e)})', file=sys.stderr)
         return 1
 
+# %% ../nbs/99_cli.ipynb #2aa474b0
 def main(argv: list[str] | None = None) -> int:
     "Run the `tmas` command line; returns the exit status."
     console = argv is None                                      # the `tmas` script or `python -m tmas_nb.cli`

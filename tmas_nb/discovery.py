@@ -86,6 +86,7 @@ Libraries: the Python standard library, numpy and scipy (the evaluator's Python 
 them; the template here needs neither). Nothing else is installed.
 """
 
+# %% ../nbs/40_discovery.ipynb #76632b40
 def ceiling_text(max_branches: int | None) -> str:
     "The budget-ceiling paragraph of the contract (Appendix C's shared `max_branch`)."
     if not max_branches: return "Budget ceiling. This run sets no ceiling on the branches a question may open.\n"
@@ -94,6 +95,7 @@ def ceiling_text(max_branches: int | None) -> str:
             f"opening branch number {max_branches + 1} ends that question as an error (counted wrong and shown next round). It is a\n"
             "ceiling to use well, not a count to always reach, and not a smaller cap to win by restriction.\n")
 
+# %% ../nbs/40_discovery.ipynb #a8758e98
 BETA_CONTRACT = """\
 One knob. config['beta'] is a float in [0, 1] and the only setting; config carries nothing else. Write
 `def _schedule(self, beta) -> dict` returning every behaviour-critical setting (widths, depths, windows, patience,
@@ -120,6 +122,7 @@ Honest. Use the question API only: no private attributes of `question`, no store
 helpers and seeds as they are and write OptimalController.
 """
 
+# %% ../nbs/40_discovery.ipynb #c6eb5384
 FREE_CONTRACT = """\
 There is no single knob: expose whatever settings you like in config, and list the settings to evaluate as a
 top-level literal `CONFIGS = [{...}, ...]` (at most 11 dicts) in the file. Use the question API only.
@@ -349,6 +352,7 @@ class OptimalController(TracedMethod):
         raise NotImplementedError('OptimalController.solve is not written yet')
 '''
 
+# %% ../nbs/40_discovery.ipynb #bb3f6b97
 SEED_CLASSES = {'SC': 'SCMethod', 'ASC': 'ASCMethod', 'ESC': 'ESCMethod', 'Parallel-Probe': 'Parallel_Probe'}
 
 # %% ../nbs/40_discovery.ipynb #fc5af5e5
@@ -879,6 +883,7 @@ for store, traces in (reply.get('traces') or {}).items():
     (d / f'{dataset}_trace_new_api.jsonl').write_text(''.join(json.dumps(t, sort_keys=True) + '\\n' for t in traces))
 '''
 
+# %% ../nbs/40_discovery.ipynb #8411eabe
 def agent_task(cfg: DiscoveryConfig, k: int) -> str:
     "The task a coding agent reads at the start of round `k` (`PROMPT.md` in its workspace; Appendix C in our words)."
     return ''.join([
@@ -1128,6 +1133,7 @@ def _launch_agent(ctx: RoundContext, k: int, ws: Path, service: EvaluationServic
     if getattr(sb, 'error', None):                             # its workspace did not come back: nothing of this round to read
         rec.update(status='agent_failed', error=_one_line(sb.error))
 
+# %% ../nbs/40_discovery.ipynb #b104342b
 def _agent_proposal(ws: Path, rec: dict, log: Path) -> str | None:
     "The agent's method.py, read as untrusted; None with `rec['proposal_status']`/`proposal_error` saying why there is none."
     code, status, why = None, 'ok', None
@@ -1145,6 +1151,7 @@ def _agent_proposal(ws: Path, rec: dict, log: Path) -> str | None:
     rec.update(proposal_status=status, proposal_error=why)
     return code
 
+# %% ../nbs/40_discovery.ipynb #8bc467b4
 def run_agent(ctx: RoundContext, k: int, d: Path) -> tuple[str | None, list]:
     "Run the agent command on a fresh workspace with the round's evaluator listening; returns (its method.py or None, [a record of the run])."
     ws = make_workspace(ctx, k)

@@ -110,6 +110,7 @@ def full_budget(model: str, backend: str, base_url: str | None = None) -> tuple[
     if ctx is None: return n, f"TMAS's budget of {PAPER_TOKEN_BUDGET} tokens (the model's context is unknown here)"
     return n, f"TMAS's budget of {PAPER_TOKEN_BUDGET} tokens capped to the model's context of {ctx} ({where})"
 
+# %% ../nbs/24c_hard_subset.ipynb #68d66131
 def _cmd_hard_subset(args) -> int:
     os.environ.setdefault('HF_HUB_OFFLINE', '1')
     grading = check_grading(args.judge, args.rules)

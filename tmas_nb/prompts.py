@@ -166,6 +166,7 @@ Reply with one JSON object and nothing after it, with your own sentences in plac
 RSE_SYSTEM = r"""You are an expert in competition mathematics. Reason carefully and give the final answer as \boxed{...}.{experience}"""
 "System prompt of an RSE rollout; `{experience}` is empty or `RSE_EXPERIENCE_BLOCK`."
 
+# %% ../nbs/20_prompts.ipynb #e5ff7ddf
 RSE_EXPERIENCE_BLOCK = r"""
 
 This problem has been attempted before, and those attempts were distilled into the notes below: propositions (intermediate results they reached) and critical pitfalls (errors they made). Solve the problem starting from its own definitions, and use the notes only to find your way:
@@ -186,6 +187,7 @@ Reason step by step, weigh these notes critically, and give the final answer as 
 RSE_ROLLOUT_PROMPT = SOLUTION_PROMPT
 "User prompt of an RSE rollout (the same task statement as the TMAS base prompt)."
 
+# %% ../nbs/20_prompts.ipynb #61790962
 RSE_DISTILL_PROMPT = """Below is one attempt at a math problem. Build from it a bank of experience for the next attempt at the same problem, which will rely on the verified propositions to move faster and will steer clear of the critical pitfalls.
 
 Stay strictly neutral: you do not know the correct answer, and you must not presume that the attempt's final answer is right or wrong. Treat everything the attempt claims as unverified, and judge each step by logic and mathematics alone.
@@ -216,6 +218,7 @@ Reply with one JSON object and nothing else (no code fence, no comment), writing
 {"verified_propositions": ["<a statement with its conditions> (Source: <how it was obtained>)"], "critical_pitfalls": ["<step or situation> -> <Dead end, Fatal flaw or Potential risk> -> <trigger; what went wrong; consequence>"]}"""
 "Prompt that distils one RSE rollout into propositions (atomic, with conditions and a source) and typed pitfalls, without knowing the answer."
 
+# %% ../nbs/20_prompts.ipynb #0a385d9b
 RSE_VALIDATE_PROMPT = """Below are a math problem and one item of experience distilled from an attempt at it: a {kind}. Decide whether the item is valid.
 - A proposition is valid when it is mathematically true for this problem under the conditions it states.
 - A pitfall is valid when it names a genuine flaw, dead end or risk; a warning against a step that is in fact correct is invalid.

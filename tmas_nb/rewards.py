@@ -434,8 +434,12 @@ _G = {
     'quad': ['Factor the quadratic', 'Quadratic formula'],
     'word': [],
 }
+
+# %% ../nbs/50_rewards.ipynb #f77c9f37
 def _pair(q, novel, rollout, cut=False): return {'problem': q, 'question': _Q[q], 'guidelines': _G[q], 'rollout': rollout,
                                                  'finish_reason': 'length' if cut else 'stop', 'novel': novel}
+
+# %% ../nbs/50_rewards.ipynb #28abeb6c
 NOVELTY_PAIRS = [
     _pair('odd', False, "We prove that the sum of the first n odd numbers is n^2 by induction on n. For n = 1 the sum is 1 = 1^2. "
           "Assume 1 + 3 + ... + (2k - 1) = k^2; adding the next odd number 2k + 1 gives k^2 + 2k + 1 = (k + 1)^2. So the sum is \\boxed{n^2}."),

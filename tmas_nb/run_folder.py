@@ -39,6 +39,7 @@ BANK_COLUMNS = ('problem_id', 'iteration', 'bank', 'items', 'n_items')
 IDENTITY_KEYS = ('method', 'config', 'benchmark', 'problem_ids', 'model', 'backend', 'quantize')
 "The parts of `config.json` that must match for a rerun on the same folder to resume it."
 
+# %% ../nbs/24a_run_folder.ipynb #fc4a41c6
 _ARROW_TYPES = {'str': pa.string(), 'str?': pa.string(), 'int': pa.int64(), 'bool': pa.bool_(), 'float': pa.float64(),
                 'float?': pa.float64(), 'list<float>': pa.list_(pa.float64()), 'int?': pa.int64(), 'bool?': pa.bool_()}
 
@@ -56,6 +57,7 @@ def write_parquet(path, rows: list[dict], schema) -> Path:
     buf = io.BytesIO(); pq.write_table(table, buf)
     return atomic_write_bytes(path, buf.getvalue())
 
+# %% ../nbs/24a_run_folder.ipynb #05dfb4ca
 ROWS_PER_GROUP = 1000
 "Rows `ParquetRows` holds before it writes them out as one row group."
 
@@ -81,6 +83,7 @@ class ParquetRows:
             self._file.__exit__(type(e), e, e.__traceback__); raise
         return self._file.__exit__(kind, exc, tb)
 
+# %% ../nbs/24a_run_folder.ipynb #7a367120
 _VERSIONS: dict = {}
 
 def versions() -> dict:

@@ -162,32 +162,39 @@ class CompletionStore:
         good = self._sign(key, completion)
         return good is not None and isinstance(signature, bytes) and hmac.compare_digest(signature, good)
 
-    def get_many(self, keys: list[str]) -> dict[str, Completion]:
-        "The stored completions among `keys` signed with this machine's key, as `{key: Completion}`; the others count as `foreign`."
-        if not keys: return {}
-        with self._lock:
-            rows = []
-            for i in range(0, len(keys), 500):
-                chunk = keys[i:i + 500]
-                rows += self._db.execute(f"SELECT key, CAST(completion AS BLOB), signature FROM completions WHERE key IN ({','.join('?' * len(chunk))})", chunk).fetchall()
-        out = {k: Completion.from_dict(json.loads(c)) for k, c, s in rows if self._signed(k, c, s)}
-        if len(out) < len(rows): self._found_foreign(len(rows) - len(out))   # (read as bytes: a file from elsewhere may hold any)
-        return out
+# %% ../../nbs/14_llm_cache.ipynb #977478f2
+@patch
+def get_many(self:CompletionStore, keys: list[str]) -> dict[str, Completion]:
+    "The stored completions among `keys` signed with this machine's key, as `{key: Completion}`; the others count as `foreign`."
+    if not keys: return {}
+    with self._lock:
+        rows = []
+        for i in range(0, len(keys), 500):
+            chunk = keys[i:i + 500]
+            rows += self._db.execute(f"SELECT key, CAST(completion AS BLOB), signature FROM completions WHERE key IN ({','.join('?' * len(chunk))})", chunk).fetchall()
+    out = {k: Completion.from_dict(json.loads(c)) for k, c, s in rows if self._signed(k, c, s)}
+    if len(out) < len(rows): self._found_foreign(len(rows) - len(out))   # (read as bytes: a file from elsewhere may hold any)
+    return out
 
-    def put(self, key: str, model_id: str, request: Request, sample_index: int, completion: Completion):
-        "Store one completion in its own transaction (a key already present is kept): `put_many` of one sample."
-        self.put_many(model_id, request, [(key, sample_index, completion)])
+# %% ../../nbs/14_llm_cache.ipynb #3802a5e3
+@patch
+def put(self:CompletionStore, key: str, model_id: str, request: Request, sample_index: int, completion: Completion):
+    "Store one completion in its own transaction (a key already present is kept): `put_many` of one sample."
+    self.put_many(model_id, request, [(key, sample_index, completion)])
 
-    def __len__(self):
-        with self._lock: return self._db.execute('SELECT COUNT(*) FROM completions').fetchone()[0]
+@patch
+def __len__(self:CompletionStore):
+    with self._lock: return self._db.execute('SELECT COUNT(*) FROM completions').fetchone()[0]
 
-    def integrity_ok(self) -> bool:
-        "SQLite's own integrity check of the file."
-        with self._lock: return self._db.execute('PRAGMA integrity_check').fetchone()[0] == 'ok'
+@patch
+def integrity_ok(self:CompletionStore) -> bool:
+    "SQLite's own integrity check of the file."
+    with self._lock: return self._db.execute('PRAGMA integrity_check').fetchone()[0] == 'ok'
 
-    def close(self):
-        with self._lock:
-            if self._db is not None: self._db.close(); self._db = None
+@patch
+def close(self:CompletionStore):
+    with self._lock:
+        if self._db is not None: self._db.close(); self._db = None
 
 # %% ../../nbs/14_llm_cache.ipynb #3a765430
 @patch
@@ -287,30 +294,6 @@ class CachedLLM(LLM):
         self._count_lock = threading.Lock()
         self._batchers = weakref.WeakKeyDictionary()   # event loop -> StoreBatcher
 
-    def _batcher(self) -> StoreBatcher:
-        loop = asyncio.get_running_loop()
-        b = self._batchers.get(loop)
-        if b is None: b = self._batchers[loop] = StoreBatcher(self.store)
-        return b
-
-    async def _one(self, request: Request) -> list[Completion]:
-        model_id = self.backend.model_id_for(request) if hasattr(self.backend, 'model_id_for') else self.model_id   # per-role endpoints
-        keys = [cache_key(model_id, request, i) for i in range(request.n)]
-        found = await self._batcher().get_many(keys)
-        missing = [i for i, k in enumerate(keys) if k not in found]
-        with self._count_lock:
-            self.hits += request.n - len(missing); self.misses += len(missing)
-        out = {i: replace(found[k], cached=True) for i, k in enumerate(keys) if k in found}
-        if missing:
-            if request.seed is not None and len(missing) < request.n:
-                fresh = (await self.backend.generate([replace(request, n=max(missing) + 1)]))[0]
-                fresh = [fresh[i] for i in missing]
-            else:
-                fresh = (await self.backend.generate([replace(request, n=len(missing))]))[0]
-            out.update(zip(missing, fresh))
-            await self._batcher().put_many(model_id, request, [(keys[i], i, c) for i, c in zip(missing, fresh)])
-        return [out[i] for i in range(request.n)]
-
     async def _generate(self, requests: list[Request]) -> list[list[Completion]]:
         return list(await asyncio.gather(*[self._one(r) for r in requests]))
 
@@ -330,6 +313,33 @@ class CachedLLM(LLM):
         if self.close_backend: self.backend.close()
 
     def __repr__(self): return f"CachedLLM({self.backend!r}, {str(self.path)!r}, hits={self.hits}, misses={self.misses})"
+
+# %% ../../nbs/14_llm_cache.ipynb #8e7954eb
+@patch
+def _batcher(self:CachedLLM) -> StoreBatcher:
+    loop = asyncio.get_running_loop()
+    b = self._batchers.get(loop)
+    if b is None: b = self._batchers[loop] = StoreBatcher(self.store)
+    return b
+
+@patch
+async def _one(self:CachedLLM, request: Request) -> list[Completion]:
+    model_id = self.backend.model_id_for(request) if hasattr(self.backend, 'model_id_for') else self.model_id   # per-role endpoints
+    keys = [cache_key(model_id, request, i) for i in range(request.n)]
+    found = await self._batcher().get_many(keys)
+    missing = [i for i, k in enumerate(keys) if k not in found]
+    with self._count_lock:
+        self.hits += request.n - len(missing); self.misses += len(missing)
+    out = {i: replace(found[k], cached=True) for i, k in enumerate(keys) if k in found}
+    if missing:
+        if request.seed is not None and len(missing) < request.n:
+            fresh = (await self.backend.generate([replace(request, n=max(missing) + 1)]))[0]
+            fresh = [fresh[i] for i in missing]
+        else:
+            fresh = (await self.backend.generate([replace(request, n=len(missing))]))[0]
+        out.update(zip(missing, fresh))
+        await self._batcher().put_many(model_id, request, [(keys[i], i, c) for i, c in zip(missing, fresh)])
+    return [out[i] for i in range(request.n)]
 
 # %% ../../nbs/14_llm_cache.ipynb #a7ca753b
 CACHE_FILES = ('calls.sqlite', 'judge_calls.sqlite', 'llm_cache.sqlite')

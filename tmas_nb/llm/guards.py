@@ -156,6 +156,7 @@ def short_repr(v) -> str:
 
 def _no_constant(name: str): raise ValueError(f'{name} is not a JSON number')
 
+# %% ../../nbs/15d_llm_guards.ipynb #7aee8749
 async def _body(request, limit: int) -> bytes:
     "The raw body of a starlette `request`, read from its ASGI `receive` up to `limit` bytes."
     too_big = BadRequest(f"the request body is over this server's limit of {_size(limit)} (--max-body-mb); "
@@ -176,6 +177,7 @@ def count_messages(raw: bytes) -> int:
     "How many `role` keys (one per chat message) the JSON text `raw` holds, counted without parsing it (at most: spacing other than one blank before the colon is not counted)."
     return raw.count(b'"role":') + raw.count(b'"role" :')    # inside a JSON string a quote is escaped: never counted there
 
+# %% ../../nbs/15d_llm_guards.ipynb #91933560
 async def read_json(request, limit: int, max_depth: int = MAX_JSON_DEPTH, max_messages: int | None = None):
     "The JSON body of a starlette `request`: 415 unless sent as JSON, 413 past `limit` bytes, 400 unless UTF-8 JSON within `max_depth` levels without lone surrogates (and, given `max_messages`, not more chat messages)."
     ctype = request.headers.get('content-type', '').split(';')[0].strip().lower()

@@ -157,6 +157,7 @@ NOT_SERVED = {   # field: (the values that ask for nothing, why the others are r
     'return_hidden_states': (lambda v: v is False, f'return_hidden_states {_NONE}'),
 }
 
+# %% ../../nbs/15_llm_server.ipynb #7c945553
 def check_fields(body: dict, read: tuple, refused: dict | None = None) -> None:
     "Refuse (400, naming it) every field of `body` that is neither `read` nor in `refused` with a value that asks for nothing."
     refused = NOT_SERVED if refused is None else refused
@@ -474,6 +475,7 @@ def create_app(llm: LLM, served_model_name: str | None = None, limits: ServerLim
     if s.tokenizer is not None: _add_tokenizer_routes(app, s.tokenizer, limits)
     return app
 
+# %% ../../nbs/15_llm_server.ipynb #f487a348
 def _add_tokenizer_routes(app, tok, limits: ServerLimits):
     "`POST /tokenize` and `POST /detokenize` with the backend's tokenizer, in the work pool (a long text does not stall the loop)."
     from fastapi import Request as HTTPRequest

@@ -31,6 +31,7 @@ def _json_option(text, name, want):
     if want is dict and not isinstance(v, dict): raise ValueError(f"{name} must be a JSON object, e.g. '{{\"beta\": 0.5}}'")
     return v
 
+# %% ../../nbs/05b_replay_commands.ipynb #da722a3b
 def _print_eval(d: dict, as_json: bool, more: str = '') -> int:
     "Print one evaluation as JSON or as one line (`more` inside the closing parenthesis); the command's exit code."
     if as_json: print(json.dumps(d))
@@ -49,6 +50,7 @@ def _cmd_eval_file(args) -> int:
     cap = f", at most {d['max_branches']} branches ({d['over_max_branches']} episodes failed there)" if d['max_branches'] else ''
     return _print_eval(d, args.json, f", {d['api']} API, sandbox: {d['sandbox']}, {d['eval_path']} path{cap}")
 
+# %% ../../nbs/05b_replay_commands.ipynb #8365722c
 def _cmd_eval(args) -> int:
     if args.seeds < 1: raise ValueError("--seeds must be >= 1")
     _check_trace_args(args)

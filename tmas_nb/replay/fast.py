@@ -69,6 +69,7 @@ def sc_kernel(k, orders, nbr, finals, tokens, n_answers):
             cost[s, q] = c
     return ans, cost
 
+# %% ../../nbs/04_replay_fast.ipynb #74ff885e
 @njit(cache=True, nogil=True)
 def asc_kernel(max_samples, threshold, conf_table, orders, nbr, finals, tokens, n_answers):
     S, Q = orders.shape[0], orders.shape[1]
@@ -87,6 +88,7 @@ def asc_kernel(max_samples, threshold, conf_table, orders, nbr, finals, tokens, 
             cost[s, q] = c
     return ans, cost
 
+# %% ../../nbs/04_replay_fast.ipynb #cec8c71d
 @njit(cache=True, nogil=True)
 def esc_kernel(max_samples, window, orders, nbr, finals, tokens, n_answers):
     S, Q = orders.shape[0], orders.shape[1]
@@ -168,6 +170,7 @@ def _pool_add(a, distinct, nd, counts):
     counts[a] += 1
     return nd
 
+# %% ../../nbs/04_replay_fast.ipynb #0c1dcf15
 @njit(cache=True, nogil=True)
 def cmc_kernel(n_init, max_branch, warm_up, patience, T_ema, alpha, conf_thresh, slack, trend_thresh, burst_aligned,
                widen_burst, min_complete, max_rounds, conf_table, orders, nbr, probes, n_probes, finals, tokens, freq, n_answers):
@@ -489,6 +492,7 @@ def _read_frame(rfd, inb, fill, cap, deadline_ns, pfd, ts):
         if e != _EAGAIN: return ST_IO, fill, e
         if _wait_fd(rfd, _POLLIN, deadline_ns, pfd, ts) == ST_TIMEOUT: return ST_TIMEOUT, fill, 0
 
+# %% ../../nbs/04_replay_fast.ipynb #058586c7
 @njit(cache=True, nogil=True)
 def _reply_frame(outb, reply, nr, nnew, newq, vflat, voff, vlen):
     "Write the `K_REPLY` frame of a served batch into `outb`; its length, or -1 when it does not fit."
@@ -507,6 +511,7 @@ def _reply_frame(outb, reply, nr, nnew, newq, vflat, voff, vlen):
         o += L
     return o
 
+# %% ../../nbs/04_replay_fast.ipynb #3a476a5f
 @njit(cache=True, nogil=True)
 def serve_loop(rfd, wfd, inb, fill, cap, deadline_ns, outb, req, kept, nk, vflat, voff, vlen, reply, out, newq, ls, lbr, lseen,
                plan, lane_off, orders, probes, n_probes, finals, tokens, freq, nbr, gold, ours, max_branches, res, hashes):
