@@ -8,6 +8,7 @@ import os, select, shutil, signal, struct, subprocess, sys, tempfile, threading,
 from pathlib import Path
 
 import tmas_nb
+from ..sandbox import Sandbox, SandboxAccess
 
 # %% auto #0
 __all__ = ['K_READY', 'K_FATAL', 'K_BATCH', 'K_DONE', 'K_ERROR', 'K_START', 'K_SEED', 'K_END', 'K_DIGEST', 'K_JOB', 'K_TASK',
@@ -146,7 +147,6 @@ def _death_cause(rc, stderr_tail: str, memory_mb: int) -> str:
 # %% ../../nbs/07a_replay_pipe.ipynb #075a5866
 def _start_child(main: str, limits, mode: str, prefix: str):
     "(sandbox, working folder or None) of a child running `module:function` `main` under `mode` with `limits`, its three pipes open."
-    from tmas_nb.sandbox import Sandbox, SandboxAccess         # here, so that a child importing this module does not load the sandbox
     cwd = tempfile.mkdtemp(prefix=prefix) if mode != 'bwrap' else None
     sb = Sandbox(_child_argv(main), limits, mode, SandboxAccess(env=_child_env('/tmp' if mode == 'bwrap' else cwd), cwd=cwd),
                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
