@@ -36,8 +36,8 @@ setuptools.setup(
     python_requires='>=' + cfg['min_python'],
     packages=setuptools.find_packages(include=[cfg['lib_name'], cfg['lib_name'] + '.*']),
     include_package_data=True,
-    # the example controller files are data read by tmas_nb.replay.authors_api.example_controller
-    package_data={cfg['lib_name'] + '.replay': ['examples/*.py']},
+    # the example controller files are data read by tmas_nb.autotts.authors_api.example_controller
+    package_data={cfg['lib_name'] + '.autotts': ['examples/*.py']},
     install_requires=requirements,
     extras_require={'dev': dev_requirements},
     entry_points={

@@ -41,10 +41,21 @@ def site_url() -> str:
     return s['doc_host'].rstrip('/') + '/' + s['doc_baseurl'].strip('/') + '/'
 
 
+# The subpackages, one per system, in the order of their layers; the site's navigation has a section for each.
+SYSTEMS = {'llm': 'Models', 'data': 'Benchmarks and grading', 'methods': 'Methods: TMAS, RSE, baselines',
+           'autotts': 'AutoTTS: replay and discovery', 'runs': 'Runs', 'analysis': 'Analysis', 'rl': 'Hybrid-RL'}
+
+
+def module_of(exp: str) -> str:
+    "The module a `default_exp` names (a subpackage's face is exported as `pkg.__init__`)."
+    return exp[:-len('.__init__')] if exp.endswith('.__init__') else '' if exp == '__init__' else exp
+
+
 def all_pages() -> list[Path]:
     "Every notebook that is a page: the home page, the guides, the module notebooks, the reports."
     nbs = ROOT / 'nbs'
     return ([nbs / 'index.ipynb'] + sorted((nbs / 'guides').glob('[!_.]*.ipynb')) + sorted(nbs.glob('[0-9]*.ipynb'))
+            + [p for pkg in SYSTEMS for p in [nbs / pkg / 'index.ipynb'] + sorted((nbs / pkg).glob('[0-9]*.ipynb'))]
             + sorted((ROOT / 'reports').glob('[!_.]*.ipynb')))
 
 
@@ -179,7 +190,7 @@ def stage_notebook(src: Path, links: Links, problems: list[str]) -> nbformat.Not
     module = None
     for c in nb.cells:
         if c.cell_type == 'code' and (m := re.search(r'^#\|\s*default_exp\s+(\S+)', c.source, re.M)):
-            try: module = importlib.import_module(f"{settings()['lib_name']}.{m.group(1)}")
+            try: module = importlib.import_module('.'.join(x for x in (settings()['lib_name'], module_of(m.group(1))) if x))
             except Exception as e:
                 problems.append(f"{src.relative_to(ROOT)}: its module {m.group(1)} does not import ({type(e).__name__}: {e}); "
                                 "its API reference is missing")
@@ -224,6 +235,7 @@ def sections(pages: list[Path]) -> dict[str, list[Path]]:
     nbs = ROOT / 'nbs'
     return {'Guides': [p for p in pages if p.parent == nbs / 'guides'],
             'API reference': [p for p in pages if p.parent == nbs and p.name != 'index.ipynb'],
+            **{f'tmas_nb.{pkg}: {title}': [p for p in pages if p.parent == nbs / pkg] for pkg, title in SYSTEMS.items()},
             'Reports': [p for p in pages if p.parent == ROOT / 'reports']}
 
 

@@ -6,7 +6,7 @@ control flow (which agent is called, with what, in what order), where a real mod
 from collections import Counter
 
 from tmas_nb.llm.core import LLM, Completion
-from tmas_nb.replay.store import ReplayStore
+from tmas_nb.autotts.store import ReplayStore
 
 
 class ScriptedLLM(LLM):

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tmas_nb import cli, reporting
+from tmas_nb import cli, errors
+from tmas_nb.analysis import reporting
 from tmas_nb.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -93,11 +94,11 @@ def test_server_that_does_not_answer_is_one_line(tmp_path):
     (KeyError('unknown method sampler'), 'tmas: error: unknown method sampler\n'),
     (OSError(98, 'Address already in use'), 'tmas: error: Address already in use\n'),
     (PermissionError(13, 'Permission denied', '/root/x'), "tmas: error: [Errno 13] Permission denied: '/root/x'\n"),
-    (cli.UserError('report compute needs run folders'), 'tmas: error: report compute needs run folders\n'),
+    (errors.UserError('report compute needs run folders'), 'tmas: error: report compute needs run folders\n'),
 ])
 def test_expected_exceptions_map_to_one_line(monkeypatch, capsys, exc, needle):
     def fail(*a, **k): raise exc
-    monkeypatch.setattr('tmas_nb.grading.grade_detail', fail)
+    monkeypatch.setattr('tmas_nb.data.grading.grade_detail', fail)
     assert main(['grade', '--gold', '1', '--pred', '1']) == 2
     assert capsys.readouterr().err == needle
 
@@ -118,7 +119,7 @@ def test_papermill_error_names_the_cell_error(tmp_path):
 
 def test_a_bug_prints_a_summary_and_saves_the_traceback(monkeypatch, capsys, tmp_path):
     def bug(*a, **k): raise TypeError('unsupported operand\nmore detail')
-    monkeypatch.setattr('tmas_nb.grading.grade_detail', bug)
+    monkeypatch.setattr('tmas_nb.data.grading.grade_detail', bug)
     monkeypatch.setenv('TMAS_ERROR_DIR', str(tmp_path / 'errors'))
     assert main(['grade', '--gold', '1', '--pred', '1']) == 1
     err = capsys.readouterr().err
@@ -130,7 +131,7 @@ def test_a_bug_prints_a_summary_and_saves_the_traceback(monkeypatch, capsys, tmp
 
 
 def test_modules_have_no_entry_points_of_their_own():
-    for m in ('tmas_nb.grading', 'tmas_nb.runs', 'tmas_nb.llm.server', 'tmas_nb.reporting'):
+    for m in ('tmas_nb.data.grading', 'tmas_nb.runs.start', 'tmas_nb.llm.server', 'tmas_nb.analysis.reporting'):
         mod = __import__(m, fromlist=['x'])
         assert not hasattr(mod, 'main'), f'{m}.main: `tmas` (tmas_nb.cli) is the one entry point'
 

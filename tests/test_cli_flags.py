@@ -37,7 +37,7 @@ FLAGS = {
     '--proposer': ('the model that writes controllers', {'discover'}),
     '--critic': ('the model that reviews them', {'discover'}),
     '--judge': ('the judge model (a name, a folder or a server URL)', {'data hard-subset', 'judge', 'rl train'}),
-    # sampling (tmas_nb.agents.SamplingConfig)
+    # sampling (tmas_nb.methods.agents.SamplingConfig)
     '--temperature': ('sampling temperature', {'data hard-subset', 'judge', 'replay build', 'run'}),
     '--top-p': ('nucleus mass', {'data hard-subset', 'replay build', 'run'}),
     '--top-k': ('top-k', {'data hard-subset', 'run'}),

@@ -12,9 +12,9 @@ from tmas_nb.llm.core import Request
 from tmas_nb.llm.openai_backend import OpenAIBackend
 from tmas_nb.llm.server import ServerThread
 from tmas_nb.llm.transformers_backend import TransformersBackend
-from tmas_nb.data import demo_problems
-from tmas_nb.replay.build import (BuildSettings, build_store, parts_dir, prompt_ids, server_branch_seeds, sidecar_path)
-from tmas_nb.replay.store import load_store_file
+from tmas_nb.data.benchmarks import demo_problems
+from tmas_nb.autotts.build import BuildSettings, build_store, parts_dir, prompt_ids, server_branch_seeds, sidecar_path
+from tmas_nb.autotts.store import load_store_file
 
 MODEL = 'smollm2'
 T, L = 8, 16
@@ -114,7 +114,7 @@ def test_build_through_the_server(served, built):
         assert tokens == served_tokens <= L                           # the server's own count (n=1), never above the cap
         ran = tokens - (ch['finish_reason'] == 'stop')                # tokens before the end token
         assert len(probes) == ran // T and all(isinstance(a, str) and a for a in probes)
-    from tmas_nb.replay.evaluation import evaluate
+    from tmas_nb.autotts.evaluation import evaluate
     for spec in ('sc:k=2', 'pp:num_chains=2', 'cmc:beta=0.5'):
         assert evaluate(spec, store, range(2), n_boot=20).avg_tokens > 0
 

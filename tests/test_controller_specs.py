@@ -4,9 +4,9 @@ import math
 import numpy as np
 import pytest
 
-from tmas_nb.replay.controllers import parse_controller, SelfConsistency, ASC, ESC, ParallelProbe, CMC
-from tmas_nb.replay.fast import run_fast
-from tmas_nb.replay.evaluation import evaluate, trace_episodes
+from tmas_nb.autotts.controllers import parse_controller, SelfConsistency, ASC, ESC, ParallelProbe, CMC
+from tmas_nb.autotts.fast import run_fast
+from tmas_nb.autotts.evaluation import evaluate, trace_episodes
 from tmas_nb.cli import main
 
 from helpers import toy_store

@@ -3,10 +3,11 @@ import asyncio, collections, json
 
 import pytest
 
-from tmas_nb.data import (Problem, ProblemFileError, load_problems, load_imo_answerbench, load_hmmt, load_jsonl_problems,
-                          load_benchmark, demo_problems, DEMO_PROBLEMS, first_k, stratified, hard_subset, BENCHMARKS)
-from tmas_nb.hard_subset import count_solves
-from tmas_nb.grading import answer_kind, grade, shutdown_pool
+from tmas_nb.data.benchmarks import (
+    Problem, ProblemFileError, load_problems, load_imo_answerbench, load_hmmt, load_jsonl_problems, load_benchmark,
+    demo_problems, DEMO_PROBLEMS, first_k, stratified, hard_subset, BENCHMARKS)
+from tmas_nb.runs.hard_subset import count_solves
+from tmas_nb.data.grading import answer_kind, grade, shutdown_pool
 
 
 @pytest.fixture(scope='module', autouse=True)

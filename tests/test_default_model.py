@@ -6,11 +6,12 @@ import asyncio
 
 import pytest
 
-from tmas_nb.data import demo_problems
+from tmas_nb.data.benchmarks import demo_problems
 from tmas_nb.llm.core import Request
 from tmas_nb.llm.loading import load_llm
-from tmas_nb.methods import TMASConfig
-from tmas_nb.runs import load_run, start_run
+from tmas_nb.methods.tmas import TMASConfig
+from tmas_nb.runs.folder import load_run
+from tmas_nb.runs.start import start_run
 
 
 @pytest.fixture(scope='module')

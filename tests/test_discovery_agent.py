@@ -12,8 +12,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from tmas_nb.discovery import DiscoveryConfig, METHOD_TEMPLATE, run_discovery, synthetic_store
-from tmas_nb.replay.authors_api import store_records
+from tmas_nb.autotts.discovery import DiscoveryConfig, METHOD_TEMPLATE, run_discovery, synthetic_store
+from tmas_nb.autotts.authors_api import store_records
 from tmas_nb.sandbox import package_paths, python_paths, sandbox_mode
 
 REPO = Path(__file__).resolve().parent.parent
@@ -66,7 +66,7 @@ m = ws / 'code_base' / 'method.py'
 m.write_text(m.read_text().replace("raise NotImplementedError('OptimalController.solve is not written yet')",
                                    "return _majority_answer([_safe_full_read(question) for _ in range(1 + round(self.beta * 7))])"))
 ev = subprocess.run(os.environ['TMAS_EVAL_CMD'].split() + ['--beta', '0.5', '1.0', '--seeds', '1'], capture_output=True, text=True, cwd=ws)
-imp = subprocess.run([sys.executable, '-c', 'import tmas_nb.replay.controllers'], capture_output=True, text=True)
+imp = subprocess.run([sys.executable, '-c', 'import tmas_nb.autotts.controllers'], capture_output=True, text=True)
 # what the claude CLI's --output-format json prints about its run, where the environment tells the agent to leave it
 Path(os.environ['TMAS_USAGE_FILE']).write_text(json.dumps({'type': 'result', 'total_cost_usd': 0.0123, 'usage': {
     'input_tokens': 1200, 'cache_creation_input_tokens': 300, 'cache_read_input_tokens': 500, 'output_tokens': 450}}))

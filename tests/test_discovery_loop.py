@@ -8,12 +8,13 @@ import re
 import pandas as pd
 import pytest
 
-from tmas_nb import discovery
+from tmas_nb.autotts import discovery
 from tmas_nb.cli import build_parser, main
-from tmas_nb.discovery import (DiscoveryConfig, METHOD_TEMPLATE, ScriptedLLM, config_from_args, run_discovery, summary_line,
-                               synthetic_store, takes_keyword, traces_history_text)
-from tmas_nb.replay.authors_api import store_records
-from tmas_nb.replay.files import evaluate_file_configs
+from tmas_nb.autotts.discovery import (
+    DiscoveryConfig, METHOD_TEMPLATE, ScriptedLLM, config_from_args, run_discovery, summary_line, synthetic_store,
+    takes_keyword, traces_history_text)
+from tmas_nb.autotts.authors_api import store_records
+from tmas_nb.autotts.files import evaluate_file_configs
 from tmas_nb.sandbox import sandbox_mode
 
 STUB = "raise NotImplementedError('OptimalController.solve is not written yet')"
@@ -65,7 +66,7 @@ def test_the_explorer_reads_the_traces_of_every_round_newest_first_within_its_co
     tr = p[p.index('# Execution traces of earlier rounds'):p.index('# The current method.py')]
     assert '## Round 1' in tr and '## Round 0' in tr and tr.index('## Round 1') < tr.index('## Round 0'), tr[:500]
     recs = [json.loads(l) for l in (out / 'rounds.jsonl').read_text().splitlines()]
-    from tmas_nb.discovery import resolve_store
+    from tmas_nb.autotts.discovery import resolve_store
     st = [resolve_store(str(train))]
     full = traces_history_text(out, recs[:2], st, 10 ** 6)
     short = traces_history_text(out, recs[:2], st, len(full) // 2 + 10)   # room for one round: the newest

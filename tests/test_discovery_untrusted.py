@@ -12,9 +12,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from tmas_nb import discovery, sandbox
-from tmas_nb.discovery import DiscoveryConfig, run_discovery, synthetic_store
-from tmas_nb.replay.authors_api import store_records
+from tmas_nb.autotts import discovery
+from tmas_nb import sandbox
+from tmas_nb.autotts.discovery import DiscoveryConfig, run_discovery, synthetic_store
+from tmas_nb.autotts.authors_api import store_records
 from tmas_nb.sandbox import sandbox_mode
 
 needs_bwrap = pytest.mark.skipif(sandbox_mode() != 'bwrap', reason='the agent sandbox needs bubblewrap')

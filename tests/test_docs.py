@@ -85,10 +85,25 @@ def test_a_link_to_nothing_is_a_problem_of_the_strict_build(tmp_path):
     assert len(links.problems) == 1 and "'guides/nosuch.ipynb' leads to nothing" in links.problems[0]
 
 
+def test_the_navigation_follows_the_subpackages():
+    "The site has a section per system, its index page first, then its modules in notebook order; every module notebook is a page."
+    d = docs_module()
+    pages = d.all_pages()
+    secs = d.sections(pages)
+    for pkg in ('llm', 'data', 'methods', 'autotts', 'runs', 'analysis', 'rl'):
+        [key] = [k for k in secs if k.startswith(f'tmas_nb.{pkg}:')]
+        got = [p.relative_to(ROOT / 'nbs').as_posix() for p in secs[key]]
+        assert got[0] == f'{pkg}/index.ipynb' and got[1:] == sorted(got[1:]) and len(got) > 2, got
+    module_nbs = {p for p in (ROOT / 'nbs').rglob('*.ipynb') if 'guides' not in p.parts and '.ipynb_checkpoints' not in p.parts
+                  and 'default_exp' in p.read_text(encoding='utf-8')}
+    assert module_nbs <= set(pages), sorted(str(p) for p in module_nbs - set(pages))
+    assert d.module_of('autotts.__init__') == 'autotts' and d.module_of('__init__') == '' and d.module_of('runs.start') == 'runs.start'
+
+
 def test_a_module_page_hides_its_imports_and_puts_the_public_api_first():
     "A module page opens with its public API: no cell that only imports, the private helpers (with their prose and tests) at the end."
     d = docs_module()
-    nb = d.stage_notebook(ROOT / 'nbs' / '27_gateway.ipynb', d.Links(set()), [])
+    nb = d.stage_notebook(ROOT / 'nbs' / 'runs' / '10_gateway.ipynb', d.Links(set()), [])
     code = [c.source for c in nb.cells if c.cell_type == 'code']
     assert not [c for c in code if d.import_only(c)], [c[:80] for c in code if d.import_only(c)]
     assert code[0].startswith("CONTROLLER_PREFIX = 'controller:'"), code[0][:200]       # the first public definition
@@ -126,7 +141,7 @@ PROBE = ("<script>window.addEventListener('load', () => { const imgs = [...docum
 @pytest.fixture(scope='module')
 def site(tmp_path_factory):
     out = tmp_path_factory.mktemp('site') / 'site'
-    pages = ['nbs/index.ipynb', 'nbs/guides/05_hybrid_rl.ipynb', 'nbs/03_replay_controllers.ipynb']
+    pages = ['nbs/index.ipynb', 'nbs/guides/05_hybrid_rl.ipynb', 'nbs/autotts/03_controllers.ipynb']
     r = subprocess.run([sys.executable, '.ci/docs.py', '--pages', *pages, '--out', str(out)], cwd=ROOT,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -136,7 +151,7 @@ def site(tmp_path_factory):
 @pytest.mark.parametrize('page, title, figures', [
     ('index.html', 'tmas_nb', 2),                                                 # the README's pictures
     ('guides/05_hybrid_rl.html', 'Hybrid-RL: from data to Figure 3', 1),          # a plot the notebook drew
-    ('03_replay_controllers.html', 'replay.controllers', 0)])                     # a module page with its API reference
+    ('autotts/03_controllers.html', 'autotts.controllers', 0)])                     # a module page with its API reference
 def test_pages_render_in_a_browser(site, tmp_path, page, title, figures):
     path = site / page
     probe = path.with_name('_probe_' + path.name)                                # beside the page: same relative links
@@ -149,11 +164,11 @@ def test_pages_render_in_a_browser(site, tmp_path, page, title, figures):
     shown, code, loaded, total = m.group(1), *map(int, m.groups()[1:])
     assert shown == f'{title} - tmas_nb' or (title == 'tmas_nb' and shown == 'tmas_nb'), shown
     assert code >= 1 and loaded == total and loaded >= figures, (code, loaded, total)
-    if page == '03_replay_controllers.html': assert 'CMC' in r.stdout and '[source]' not in r.stdout   # show_doc, rendered
+    if page == 'autotts/03_controllers.html': assert 'CMC' in r.stdout and '[source]' not in r.stdout   # show_doc, rendered
 
 
 def test_llms_txt_lists_the_pages_as_markdown(site):
     text = (site / 'llms.txt').read_text(encoding='utf-8')
     assert text.startswith('# tmas_nb\n\n> ')
-    for md in ('guides/05_hybrid_rl.html.md', '03_replay_controllers.html.md', 'index.html.md'):
+    for md in ('guides/05_hybrid_rl.html.md', 'autotts/03_controllers.html.md', 'index.html.md'):
         assert f'({DOCS_URL}{md})' in text and (site / md).is_file(), md

@@ -8,13 +8,13 @@ import asyncio, json, os
 import pytest
 
 import tmas_nb.llm.llamacpp as llamacpp
-from tmas_nb.data import demo_problems
+from tmas_nb.data.benchmarks import demo_problems
 from tmas_nb.llm.core import Request
 from tmas_nb.llm.loading import load_llm
 from tmas_nb.llm.engines import (calibrate, calibration_path, choose_engine, machine_fingerprint, read_calibration,
                                  run_width)
-from tmas_nb.methods import BaselineConfig
-from tmas_nb.runs import resolve_auto_backend, start_run
+from tmas_nb.methods.loop import BaselineConfig
+from tmas_nb.runs.start import resolve_auto_backend, start_run
 from tests.test_cli import tmas, one_error_line
 
 

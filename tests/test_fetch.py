@@ -10,10 +10,10 @@ import pytest
 
 from tmas_nb.cli import main
 from tmas_nb.core import sha256_file
-from tmas_nb.discovery import history_files
-from tmas_nb.discovery_history import history_curves
-from tmas_nb.fetch import (REGISTRY, ChecksumError, DataFetchError, Downloader, fetch, list_datasets,
-                           make_mirror, resolve_names)
+from tmas_nb.autotts.discovery import history_files
+from tmas_nb.autotts.history import history_curves
+from tmas_nb.data.fetch import (
+    REGISTRY, ChecksumError, DataFetchError, Downloader, fetch, list_datasets, make_mirror, resolve_names)
 
 HERE = Path(__file__).parent
 QUIET = Downloader(retries=0, progress=False)
@@ -150,8 +150,8 @@ def test_fresh_machine_fetch_then_main_job(mirror, data_root, tmp_path, monkeypa
     r = cli(*job, env=env)
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
-    from tmas_nb.replay.evaluation import evaluate
-    from tmas_nb.replay.store import load_store
+    from tmas_nb.autotts.evaluation import evaluate
+    from tmas_nb.autotts.store import load_store
     want = evaluate('sc:k=8', load_store('Qwen3-0.6B', 'aime24', data_root), range(3)).to_dict()
     assert (got['acc'], got['avg_tokens'], got['seeds']) == (want['acc'], want['avg_tokens'], 3)
     assert main(['data', 'list', '--json']) == 0
@@ -172,7 +172,7 @@ def bare_clone_env(tmp_path, mirror_url: str) -> dict:
 
 def test_main_job_on_a_bare_clone_fetches_the_stores_on_first_use(mirror, data_root, tmp_path, monkeypatch):
     "The README's main command with no data folder configured fetches the 12 pinned stores (here from a mirror on loopback), says so, runs, and the next run fetches nothing."
-    from tmas_nb.reporting import fetch_on_first_use
+    from tmas_nb.analysis.reporting import fetch_on_first_use
     home = tmp_path / 'xdg' / 'tmas_nb'
     job = ['report', 'autotts_table', '--quiet', '--out', str(tmp_path / 'out'), '-p', 'models=["Qwen3-4B"]', '-p', 'datasets=["aime24"]',
            '-p', 'seeds=2']                                              # the README's command, at a size for a test

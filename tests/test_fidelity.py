@@ -15,9 +15,9 @@ import pandas as pd
 import pytest
 
 from tmas_nb.cli import main
-from tmas_nb.data import demo_problems
+from tmas_nb.data.benchmarks import demo_problems
 from tmas_nb.llm.core import Completion
-from tmas_nb.methods import run_method
+from tmas_nb.methods.solve import run_method
 
 from helpers import REPLIES, ScriptedLLM
 
@@ -46,7 +46,7 @@ RULES = ['--rules']      # the judge is the default grading; these tests of the 
 
 def test_hard_subset_defaults_to_the_models_full_budget(tmp_path):
     "Without --max-new-tokens the reference model gets TMAS's 128K capped to its context (was: 4,096 for every model)."
-    from tmas_nb.hard_subset import full_budget
+    from tmas_nb.runs.hard_subset import full_budget
     assert full_budget('default', 'transformers')[0] == 32_768 - 4096          # Qwen2.5-Coder-0.5B: a 32K context
     n, why = full_budget('smollm2', 'transformers')                           # smollm2: 8K context, half kept for the prompt
     assert n == 4096 and why.startswith("TMAS's budget of 128000 tokens capped to the model's context of 8192")
@@ -88,7 +88,7 @@ def test_hard_subset_grades_through_the_judge(tmp_path):
 def _tmas_run(tmp_path, name, *argv):
     "A TMAS run of one demo problem with the settings `tmas run ARGV` resolves, on a scripted model; (config, requests, run folder)."
     from tmas_nb.cli import build_parser
-    from tmas_nb.runs import plan_run, start_run
+    from tmas_nb.runs.start import plan_run, start_run
     plan = plan_run(build_parser().parse_args(['run', '--method', 'tmas', '--benchmark', 'demo', '--limit', '1', '--backend',
                                                'openai', '--n-candidates', '4', '--n-verifications', '1', '--iterations', '3',
                                                '--max-new-tokens', '32', *argv, '--quiet']))
@@ -144,7 +144,7 @@ def test_a_run_without_a_preset_that_looks_like_a_paper_run_says_so_in_one_line(
 # ------------------------------------------------------------------ baseline budgets the papers leave open
 
 def test_verify_refine_keeps_a_candidate_every_review_scored_one_under_tmas_paper(tmp_path):
-    from tmas_nb.runs import layer_settings
+    from tmas_nb.runs.protocol import layer_settings
     cfg, rec = layer_settings('verify-refine', 'tmas-paper', flags={'n_candidates': 2, 'iterations': 3, 'max_new_tokens': 32}, backend='openai')
     assert sorted(rec['protocol']['assumed']['value']) == ['n_verifications', 'refine_verified']
     llm = ScriptedLLM(REPLIES)                                        # every review says Score 1
@@ -172,7 +172,8 @@ def test_a_phi4_backbone_gets_no_system_turn_and_pacore_fits_its_window(tmp_path
     assert 'Appendix B.2' in c['preset_sources']['system_in_user']
     c, _ = _config('--method', 'rse', '--model', 'Qwen3-4B-Thinking-2507', '--backend', 'openai')
     assert c['config']['system_in_user'] is False
-    from tmas_nb.methods import BaselineConfig, estimate_tokens
+    from tmas_nb.methods.loop import BaselineConfig
+    from tmas_nb.methods.rse import estimate_tokens
     cfg = BaselineConfig(n_candidates=2, iterations=2, max_new_tokens=16, system_in_user=True, reference_max_tokens=300,
                          prompt_max_tokens=700)
     long = 'so the sum is ' + 'seven ' * 2000 + '\\boxed{42}'
@@ -187,11 +188,11 @@ def test_a_phi4_backbone_gets_no_system_turn_and_pacore_fits_its_window(tmp_path
 
 def test_rse_distils_through_a_real_server_with_the_context_it_serves(tmp_path):
     from test_llm_server import Server, free_port
-    from tmas_nb.agents import AgentContext
+    from tmas_nb.methods.agents import AgentContext
     from tmas_nb.llm.loading import load_llm
     from tmas_nb.llm.openai_backend import served_context_length
-    from tmas_nb.methods import distill_whole
-    from tmas_nb.runs import layer_settings
+    from tmas_nb.methods.rse import distill_whole
+    from tmas_nb.runs.protocol import layer_settings
     srv = Server(free_port(), tmp_path, flags=('--max-model-len', '2048'))   # the smallest served context RSE takes: a short trajectory overflows it
     try:
         srv.wait_ready()
@@ -224,7 +225,7 @@ def test_llama_servers_props_give_the_distillers_context(tmp_path):
     srv = http.server.ThreadingHTTPServer(('127.0.0.1', 0), Stub)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
-        from tmas_nb.runs import layer_settings
+        from tmas_nb.runs.protocol import layer_settings
         url = f'http://127.0.0.1:{srv.server_address[1]}/v1'
         cfg, rec = layer_settings('rse', model='m.gguf', backend='openai', base_url=url)
         assert (cfg.distill_context, rec['distill_context_source']) == (16384, 'n_ctx of GET /props')
@@ -235,12 +236,13 @@ def test_llama_servers_props_give_the_distillers_context(tmp_path):
 
 
 def test_the_run_records_the_parts_of_every_distilled_trajectory(tmp_path):
-    from tmas_nb.methods import RSEConfig
-    from tmas_nb.runs import distillation_parts, load_run, run_facts
+    from tmas_nb.methods.rse import RSEConfig
+    from tmas_nb.runs.summary import distillation_parts, run_facts
+    from tmas_nb.runs.folder import load_run
     long = '<think>' + ''.join(f'line {i}: nothing new here.\n' for i in range(900)) + '</think>\\boxed{42}'
     llm = ScriptedLLM({**REPLIES, 'solution': [long, 'short \\boxed{42}']})
     cfg = RSEConfig(n_candidates=2, iterations=2, embedder='hashing', max_new_tokens=16, distill_max_chars=6000)
-    from tmas_nb.runs import start_run
+    from tmas_nb.runs.start import start_run
     run = asyncio.run(start_run('rse', demo_problems()[:1], cfg, tmp_path / 'r', llm=llm, progress=False))
     d = distillation_parts(load_run(tmp_path / 'r'))
     assert list(d.parts) == [d.parts.max(), 1] and d.parts.max() > 1
@@ -251,7 +253,8 @@ def test_the_run_records_the_parts_of_every_distilled_trajectory(tmp_path):
 
 def test_runs_k_launches_k_seeds_into_one_folder_and_each_resumes(tmp_path):
     from tmas_nb.cli import build_parser
-    from tmas_nb.runs import pass_at_1_by_run, plan_run
+    from tmas_nb.runs.summary import pass_at_1_by_run
+    from tmas_nb.runs.start import plan_run
     assert plan_run(build_parser().parse_args(['run', '--method', 'rse', '--benchmark', 'demo', '--preset', 'rse-paper',
                                                '--backend', 'openai'])).runs == 8
     assert plan_run(build_parser().parse_args(['run', '--method', 'rse', '--benchmark', 'demo', '--backend', 'openai'])).runs == 1
@@ -280,7 +283,7 @@ def test_runs_k_launches_k_seeds_into_one_folder_and_each_resumes(tmp_path):
 # ------------------------------------------------------------------ Hybrid-RL: the novelty judge
 
 def test_the_novelty_heuristic_is_measured_on_the_labelled_pairs():
-    from tmas_nb.rewards import NOVELTY_PAIRS, RolloutNoveltyJudge, novelty_agreement
+    from tmas_nb.rl.rewards import NOVELTY_PAIRS, RolloutNoveltyJudge, novelty_agreement
     judge = {'heuristic': RolloutNoveltyJudge()}                      # MiniLM on the first two sentences, tau 0.7
     before, after = novelty_agreement(judge, cut_rule=False).iloc[0], novelty_agreement(judge).iloc[0]
     cut = [p for p in NOVELTY_PAIRS if p['finish_reason'] == 'length']

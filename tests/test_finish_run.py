@@ -4,8 +4,8 @@ import json, tracemalloc
 import pandas as pd
 
 from tmas_nb.core import atomic_write_json
-from tmas_nb.methods import checkpoint_path
-from tmas_nb.run_folder import ROWS_PER_GROUP, calls_frame, collect_calls, collect_run, finish_run
+from tmas_nb.methods.solve import checkpoint_path
+from tmas_nb.runs.folder import ROWS_PER_GROUP, calls_frame, collect_calls, collect_run, finish_run
 
 
 def _run_folder(d, problems=120, iterations=2, calls=40, chars=1000):

@@ -159,7 +159,7 @@ def test_a_report_parameter_the_report_does_not_have_is_refused(tmp_path):
 
 def test_replay_eval_takes_a_controller_file_like_run_does(data_root):
     "`--controller FILE` (as `tmas run` takes it) with the file's only class found, equal to the explicit --controller-file --controller-class."
-    f = REPO / 'tmas_nb' / 'replay' / 'examples' / 'authors_cmc.py'
+    f = REPO / 'tmas_nb' / 'autotts' / 'examples' / 'authors_cmc.py'
     base = ['replay', 'eval', '--data-dir', data_root, '--model', 'Qwen3-0.6B', '--benchmark', 'aime24', '--seeds', '2', '--json',
             '--controller-config', '{"beta": 0.5}']
     short = tmas(*base, '--controller', f, timeout=600)

@@ -7,10 +7,10 @@ from pathlib import Path
 import httpx, openai, pytest
 
 from tmas_nb.cli import main
-from tmas_nb.data import demo_problems
-from tmas_nb.gateway import Gateway, GatewayThread, gateway_limits, problem_for, problem_index
+from tmas_nb.data.benchmarks import demo_problems
+from tmas_nb.runs.gateway import Gateway, GatewayThread, gateway_limits, problem_for, problem_index
 from tmas_nb.llm.openai_backend import OpenAIBackend
-from tmas_nb.run_folder import load_run, read_status
+from tmas_nb.runs.folder import load_run, read_status
 from test_llm_server import Server, free_port
 
 PROBLEMS = demo_problems()
@@ -168,7 +168,7 @@ def test_32_concurrent_tmas_requests_each_get_their_own_run_and_a_poison_request
 
 def test_a_client_that_leaves_cancels_the_inner_calls_and_a_retry_continues_the_run(gw, upstream, caplog):
     t, g = gw
-    caplog.set_level(logging.INFO, logger='tmas_nb.gateway')
+    caplog.set_level(logging.INFO, logger='tmas_nb.runs.gateway')
     body = {'model': 'self-refine', 'messages': [{'role': 'user', 'content': PROBLEMS[4].question}], 'max_tokens': 4,
             'tmas': {'n_candidates': 1, 'iterations': 4}}
     seen = {d for d in os.listdir(g.out) if d.startswith('self-refine-')}
@@ -366,7 +366,7 @@ def test_sigterm_cancels_the_work_in_flight_and_the_folder_resumes(gw, upstream,
 
 def test_a_live_controller_request_reuses_the_tokenizer_of_the_last_one():
     "Each controller request opens a live model that checks the server's tokenizer; the local one is loaded once per process."
-    from tmas_nb.replay.build import _local_tokenizer
+    from tmas_nb.autotts.build import _local_tokenizer
     assert _local_tokenizer(None, 'smollm2') is _local_tokenizer(None, 'smollm2')
 
 

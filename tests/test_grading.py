@@ -3,9 +3,10 @@ import argparse, asyncio, concurrent.futures, json, logging, subprocess, sys, ti
 
 import pytest
 
-from tmas_nb import grading
-from tmas_nb.grading import (grade, grade_detail, grade_many, grade_many_detail, extract_answer_detail, answer_kind,
-                             clean_answer, pass_at_1, parse_verdict, judge, grade_cli, shutdown_pool)
+from tmas_nb.data import grading
+from tmas_nb.data.grading import (
+    grade, grade_detail, grade_many, grade_many_detail, extract_answer_detail, answer_kind, clean_answer, pass_at_1,
+    parse_verdict, judge, grade_cli, shutdown_pool)
 
 
 @pytest.fixture(scope='module')
@@ -157,7 +158,7 @@ def _sleepy(*args):
 def test_timeout_counts_as_wrong_and_recovers(monkeypatch, caplog):
     shutdown_pool(); grading.clear_grading_memo()
     monkeypatch.setattr(grading, 'math_equal_job', _sleepy)
-    with caplog.at_level(logging.WARNING, logger='tmas_nb.grading'):
+    with caplog.at_level(logging.WARNING, logger='tmas_nb.data.grading'):
         r = grade_detail(r'\boxed{0.5}', '1/2', timeout=1)
     assert (r.correct, r.reason) == (False, 'timeout after 1 s')
     assert 'took over 1 s' in caplog.text
@@ -279,9 +280,9 @@ def test_run_option_answer_from_truncated_is_recorded_and_used(tmp_path):
     "`tmas run --answer-from-truncated` lands in the run config and switches the lenient reading on for that run."
     from helpers import ScriptedLLM
     from tmas_nb.cli import build_parser
-    from tmas_nb.data import demo_problems
-    from tmas_nb.methods import run_method
-    from tmas_nb.runs import config_from_args
+    from tmas_nb.data.benchmarks import demo_problems
+    from tmas_nb.methods.solve import run_method
+    from tmas_nb.runs.start import config_from_args
     from tmas_nb.llm.core import Completion
     base = ['run', '--method', 'sampling', '--benchmark', 'demo', '--out', str(tmp_path / 'x')]
     assert config_from_args('sampling', build_parser().parse_args(base)).answer_from_truncated is False

@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from tmas_nb.fetch import REGISTRY, make_mirror
+from tmas_nb.data.fetch import REGISTRY, make_mirror
 
 HERE = Path(__file__).parent
 REPO = HERE.parent
@@ -132,8 +132,8 @@ def test_lock_is_not_held_by_forked_children_of_a_killed_holder(tmp_path):
 
 
 def test_discover_rl_train_and_judge_refuse_a_locked_folder(tmp_path):
-    from tmas_nb.discovery import synthetic_store
-    from tmas_nb.replay.authors_api import store_records
+    from tmas_nb.autotts.discovery import synthetic_store
+    from tmas_nb.autotts.authors_api import store_records
     store = tmp_path / 'syn.json'
     store.write_text(json.dumps(store_records(synthetic_store())))
     for name, args in [('discover', ['discover', '--proposer', 'smollm2', '--rounds', '1', '--train', store,
@@ -262,8 +262,8 @@ def test_data_dir_that_is_a_file_says_so(tmp_path):
 
 
 def test_discover_rounds_are_strict_json(tmp_path):
-    from tmas_nb.discovery import DiscoveryConfig, ScriptedLLM, run_discovery, synthetic_store
-    from tmas_nb.replay.authors_api import store_records
+    from tmas_nb.autotts.discovery import DiscoveryConfig, ScriptedLLM, run_discovery, synthetic_store
+    from tmas_nb.autotts.authors_api import store_records
     store = tmp_path / 'syn.json'
     store.write_text(json.dumps(store_records(synthetic_store())))
     out = tmp_path / 'disc'

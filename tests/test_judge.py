@@ -38,7 +38,7 @@ def test_judge_writes_columns_and_pass_at_1_over_judge_runs(judged_run):
     assert meta['judged_candidates'] >= 1     # 80 tokens: a seeded candidate of demo-01 finishes in 70 (a cut-off one has no answer to judge)
     expected = t.groupby('problem_id')[['correct_judge0', 'correct_judge1']].mean().mean().mean()
     assert meta['pass_at_1']['0'] == pytest.approx(expected)
-    from tmas_nb.analysis import read_run, pass_at_1_table
+    from tmas_nb.analysis.tables import read_run, pass_at_1_table
     long = pass_at_1_table([read_run(d)])
     assert long.pass_at_1.iloc[0] == pytest.approx(expected)
     assert long.grading.iloc[0] == 'LLM judge smollm2, mean of 2 runs'

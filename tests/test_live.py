@@ -5,15 +5,15 @@ import asyncio, json, os, signal, subprocess, sys, time
 
 import pytest
 
-from tmas_nb.data import demo_problems
-from tmas_nb.replay.authors_api import AuthorsQuestion, example_controller, install_authors_shims, store_records
-from tmas_nb.replay.build import BuildSettings, build_store
-from tmas_nb.replay.controllers import parse_controller
-from tmas_nb.replay.environment import ReplayEnv
-from tmas_nb.replay.live import LiveAuthorsQuestion, LiveEnv, LiveModel
-from tmas_nb.replay.live_files import SandboxedController
-from tmas_nb.replay.live_run import ControllerConfig, open_controller
-from tmas_nb.replay.files import ControllerError
+from tmas_nb.data.benchmarks import demo_problems
+from tmas_nb.autotts.authors_api import AuthorsQuestion, example_controller, install_authors_shims, store_records
+from tmas_nb.autotts.build import BuildSettings, build_store
+from tmas_nb.autotts.controllers import parse_controller
+from tmas_nb.autotts.environment import ReplayEnv
+from tmas_nb.autotts.live import LiveAuthorsQuestion, LiveEnv, LiveModel
+from tmas_nb.autotts.live_files import SandboxedController
+from tmas_nb.autotts.live_run import ControllerConfig, open_controller
+from tmas_nb.autotts.files import ControllerError
 
 S = BuildSettings(branches=4, probe_every=8, max_new_tokens=16, seed=1)
 SPECS = ['sc:k=4', 'esc:max_samples=4,window=2', 'pp:num_chains=4,warm_up=1,prune_patience=1,T=2', 'cmc:beta=0.5']
@@ -146,7 +146,7 @@ def test_run_method_controller_resumes_after_kill(tmp_path):
     p = tmas(*args); _, err = p.communicate(timeout=300)
     assert p.returncode == 0, err
     assert all(f.stat().st_mtime_ns == t for f, t in stamps.items())       # a question done before the kill is not redone
-    from tmas_nb.runs import load_run
+    from tmas_nb.runs.folder import load_run
     s = load_run(out).summary()                      # what `tmas runs summary` prints
     assert (s['problems'], s['complete']) == (2, True) and set(s['tokens_by_role']) == {'branch', 'probe'}
     import pandas as pd
@@ -160,7 +160,7 @@ def test_run_method_controller_resumes_after_kill(tmp_path):
 @pytest.mark.slow
 def test_live_controllers_report(tmp_path):
     """The report end to end on SmolLM2 with tiny sizes (minutes on a busy CPU: run with --runslow)."""
-    from tmas_nb.reporting import run_report
+    from tmas_nb.analysis.reporting import run_report
     d = run_report('live_controllers', tmp_path, dict(model='smollm2', problems=1, branches=2, probe_every=8, max_new_tokens=16,
                                                      repeats=1, threads=1), progress=False)
     s = json.loads((d / 'summary.json').read_text())

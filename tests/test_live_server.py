@@ -6,17 +6,17 @@ import json, shutil
 
 import pytest
 
-from tmas_nb.data import demo_problems
+from tmas_nb.data.benchmarks import demo_problems
 from tmas_nb.llm.openai_backend import OpenAIBackend
 from tmas_nb.llm.server import ServerThread
 from tmas_nb.llm.transformers_backend import TransformersBackend
 from tmas_nb.cli import main
-from tmas_nb.replay.build import BuildSettings, sidecar_path
-from tmas_nb.replay.controllers import parse_controller
-from tmas_nb.replay.environment import ReplayEnv
-from tmas_nb.replay.live_server import ServerLiveEnv, ServerLiveModel
-from tmas_nb.replay.store import load_store_file
-from tmas_nb.run_folder import load_run
+from tmas_nb.autotts.build import BuildSettings, sidecar_path
+from tmas_nb.autotts.controllers import parse_controller
+from tmas_nb.autotts.environment import ReplayEnv
+from tmas_nb.autotts.live_server import ServerLiveEnv, ServerLiveModel
+from tmas_nb.autotts.store import load_store_file
+from tmas_nb.runs.folder import load_run
 
 MODEL = 'smollm2'
 S = BuildSettings(branches=2, probe_every=8, max_new_tokens=16, seed=0)

@@ -199,8 +199,8 @@ def test_llama_cpp_python_server_ignores_n(tmp_path):
 
 def test_replay_build_through_llama_server(llama, tmp_path):
     """`build_store` with a base URL against llama-server's /v1/completions: token-id prompts, 31-bit seeds, its /tokenize."""
-    from tmas_nb.replay.build import build_store, parts_dir, sidecar_path
-    from tmas_nb.replay.store import load_store_file
+    from tmas_nb.autotts.build import build_store, parts_dir, sidecar_path
+    from tmas_nb.autotts.store import load_store_file
     kw = dict(limit=1, branches=2, probe_every=8, max_new_tokens=24, progress=False)
     for tokenizer, source in ((None, 'tokenizer'), ('server', 'tokenize')):
         out = tmp_path / f'{source}.json'

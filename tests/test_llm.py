@@ -359,8 +359,9 @@ def test_template_that_opens_think_is_detected(smol):
 def test_agents_get_final_responses_and_truncated_candidates_are_marked(tmp_path):
     "Control flow: what the verification, summary, memory and exploit-mode solution agents are shown of a candidate."
     from helpers import ScriptedLLM
-    from tmas_nb.data import demo_problems
-    from tmas_nb.methods import run_method, TMASConfig
+    from tmas_nb.data.benchmarks import demo_problems
+    from tmas_nb.methods.solve import run_method
+    from tmas_nb.methods.tmas import TMASConfig
     p = demo_problems()[0]
     cut = rf'SECRET-CUT try \boxed{{{p.answer}}}, hmm let me'
     done = rf'SECRET-THOUGHT</think> So \boxed{{{p.answer}}}.'
@@ -421,8 +422,8 @@ def test_engine_fallback_is_logged_and_recorded(smol, caplog, tmp_path):
 def test_run_status_records_engine_fallbacks(smol, tmp_path):
     "A greedy run on the continuous engine that fails: the run still finishes and its status.json says what happened."
     import json
-    from tmas_nb.data import demo_problems
-    from tmas_nb.runs import start_run
+    from tmas_nb.data.benchmarks import demo_problems
+    from tmas_nb.runs.start import start_run
     b = _tiny_backend(smol)
     def broken(*a, **k): raise RuntimeError('no paged attention here')
     b.model.generate_batch = broken

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 NBS = Path(__file__).resolve().parent.parent / 'nbs'
-NOTEBOOKS = ['11_llm_models.ipynb', '12_llm_transformers.ipynb', '13_llm_openai.ipynb', '15a_llm_llamacpp.ipynb']
+NOTEBOOKS = ['llm/02_models.ipynb', 'llm/03_transformers.ipynb', 'llm/04_openai.ipynb', 'llm/06a_llamacpp.ipynb']
 MAX_LINES = 45
 
 def layout_problems(path: Path) -> list[str]:

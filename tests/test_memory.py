@@ -6,8 +6,9 @@ import os
 import numpy as np
 import pytest
 
-from tmas_nb.memory import (RSE_DEDUP_THRESHOLD, TMAS_DEDUP_THRESHOLD, ExperienceBank, GuidelineBank,
-                            HashingEmbedder, MemoryItem, RSEBank, deduplicate, default_embedder, minilm_dir)
+from tmas_nb.methods.memory import (
+    RSE_DEDUP_THRESHOLD, TMAS_DEDUP_THRESHOLD, ExperienceBank, GuidelineBank, HashingEmbedder, MemoryItem, RSEBank,
+    deduplicate, default_embedder, minilm_dir)
 
 
 class TableEmbedder:
@@ -112,7 +113,7 @@ def test_experience_bank_merge_and_replace():
 def test_guideline_bank_is_append_only(caplog):
     g = GuidelineBank()
     g.update(['Induction on n.', 'Coordinates.', 'Look modulo 3.'], round=0)
-    with caplog.at_level(logging.WARNING, logger='tmas_nb.memory'):
+    with caplog.at_level(logging.WARNING, logger='tmas_nb.methods.memory'):
         ev = g.update(['Look modulo 3.', 'Complex coordinates with the unit circle.', 'Pigeonhole.'], round=1)
     # dropped 'Induction on n.', rewrote 'Coordinates.' -> both restored; the rewrite is appended as new
     assert g.texts() == ['Induction on n.', 'Coordinates.', 'Look modulo 3.',

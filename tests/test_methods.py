@@ -17,11 +17,15 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from tmas_nb.data import demo_problems
-from tmas_nb.methods import (METHODS, RECORD_COLUMNS, BaselineConfig, RSEConfig, TMASConfig, read_checkpoints,
-                             run_method)
+from tmas_nb.data.benchmarks import demo_problems
+from tmas_nb.methods.registry import METHODS
+from tmas_nb.methods.loop import RECORD_COLUMNS, BaselineConfig
+from tmas_nb.methods.rse import RSEConfig
+from tmas_nb.methods.tmas import TMASConfig
+from tmas_nb.methods.solve import read_checkpoints, run_method
 from tmas_nb.cli import main
-from tmas_nb.runs import RunConfigMismatch, load_run, record_schema, start_run
+from tmas_nb.runs.folder import RunConfigMismatch, load_run, record_schema
+from tmas_nb.runs.start import start_run
 
 from helpers import REPLIES, ScriptedLLM
 
@@ -229,7 +233,7 @@ def plain(df):
             for row in df.where(df.notna(), None).to_dict('records')]
 
 
-# Short prompts with the same fields as the paper's (`tmas_nb.prompts`), so that the CPU run stays short.
+# Short prompts with the same fields as the paper's (`tmas_nb.methods.prompts`), so that the CPU run stays short.
 TINY_TEMPLATES = {
     'solver_system': '', 'reviewer_system': '',
     'solution': 'Solve: {question}\nGive the answer as \\boxed{...}.',

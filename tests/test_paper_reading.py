@@ -26,7 +26,7 @@ def test_hard_subset_grades_by_judge_unless_rules_are_asked_for(tmp_path):
 
 
 def test_every_run_records_the_digest_and_origin_of_its_problem_list(tmp_path):
-    from tmas_nb.data import problem_list_digest, write_problem_ids
+    from tmas_nb.data.benchmarks import problem_list_digest, write_problem_ids
     ids = tmp_path / 'ids.txt'
     write_problem_ids(ids, ['demo-03', 'demo-01'], {'made by': 'tmas data hard-subset', 'model': 'Qwen3-4B-Thinking-2507', 'samples': 8})
     rc, out, err = _cli('run', '--method', 'mv', '--benchmark', 'demo', '--problem-ids', str(ids), '--print-config')
@@ -44,10 +44,10 @@ def test_every_run_records_the_digest_and_origin_of_its_problem_list(tmp_path):
 def test_the_emitted_no_guideline_command_differs_from_the_full_arm_only_in_the_ablated_settings(tmp_path):
     "The −guideline command resolves to the full arm's config but for use_guidelines and ε (was: no preset, the Jaccard bank and a non-flag setting lost)."
     import shlex
-    from tmas_nb.analysis import rerun_command
+    from tmas_nb.analysis.tables import rerun_command
     from tmas_nb.cli import build_parser
-    from tmas_nb.data import write_problem_ids
-    from tmas_nb.runs import plan_run
+    from tmas_nb.data.benchmarks import write_problem_ids
+    from tmas_nb.runs.start import plan_run
     ids, own = tmp_path / 'ids.txt', tmp_path / 'own.json'
     write_problem_ids(ids, ['demo-04', 'demo-02'], {'made by': 'hand'})
     own.write_text(json.dumps({'memory_retries': 3, 'role_endpoints': {'verification': 'http://127.0.0.1:9/v1'}}))
@@ -87,7 +87,7 @@ class _ThinkingJudge:
 def test_the_novelty_judge_answers_with_thinking_off_and_room(tmp_path):
     "The judge's calls ask for thinking off and 4,096 tokens (were 64 and 8 with thinking on: a thinking judge judged nothing new)."
     import asyncio
-    from tmas_nb.rewards import HybridReward, RolloutNoveltyJudge
+    from tmas_nb.rl.rewards import HybridReward, RolloutNoveltyJudge
     llm = _ThinkingJudge()
     hr = HybridReward('hybrid', judge=RolloutNoveltyJudge(llm))
     logged = {}
@@ -101,7 +101,7 @@ def test_a_step_the_judge_answers_nothing_stops_and_paper_training_needs_its_dat
     import asyncio
     import pytest
     from tmas_nb.llm.core import Completion
-    from tmas_nb.rewards import HybridReward, RolloutNoveltyJudge
+    from tmas_nb.rl.rewards import HybridReward, RolloutNoveltyJudge
 
     class Silent:
         async def generate(self, requests): return [[Completion(text='', finish_reason='length')] for _ in requests]
@@ -118,7 +118,7 @@ def test_a_step_the_judge_answers_nothing_stops_and_paper_training_needs_its_dat
 def test_table7_tests_rse_against_the_stronger_of_self_refine_and_pacore_per_benchmark_and_the_math_average():
     "A stronger sampling or MV run is not Table 7's baseline (was: one strongest over every group); the math average is taken per run first."
     import pandas as pd
-    from tmas_nb.stats import RSE_MATH, table7
+    from tmas_nb.analysis.stats import RSE_MATH, table7
     base = {'rse': 70.0, 'pacore': 66.0, 'self-refine': 68.0, 'mv': 95.0, 'sampling': 90.0}
     rows = [dict(benchmark=b, model='m', label=l, seed=s, value=v + (j - 1.5) * 4 + s * (0.5 if l == 'rse' else 0.2) + (l == 'pacore') * j * 1.5)
             for j, b in enumerate(RSE_MATH) for s in range(8) for l, v in base.items()]
@@ -132,7 +132,7 @@ def test_table7_tests_rse_against_the_stronger_of_self_refine_and_pacore_per_ben
 
 def test_the_verification_paradox_splits_problems_by_the_judge_when_a_run_has_its_columns():
     import pandas as pd
-    from tmas_nb.analysis import verification_paradox
+    from tmas_nb.analysis.tables import verification_paradox
     rec = pd.DataFrame([dict(problem_id=p, iteration=0, candidate=k, correct=p == 'a', mean_score=s, correct_judge0=p == 'b')
                         for p, ss in (('a', (0.9, 0.7)), ('b', (0.2, 0.4))) for k, s in enumerate(ss)])
     vp = verification_paradox(rec).set_index('iteration')
@@ -144,8 +144,8 @@ def test_the_verification_paradox_splits_problems_by_the_judge_when_a_run_has_it
 # ------------------------------------------------------------------ item 9: what the AutoTTS explorer sees
 
 def _syn_store(tmp_path):
-    from tmas_nb.discovery import synthetic_store
-    from tmas_nb.replay.authors_api import store_records
+    from tmas_nb.autotts.discovery import synthetic_store
+    from tmas_nb.autotts.authors_api import store_records
     f = tmp_path / 'Qwen3-4B' / 'syn.json'; f.parent.mkdir(exist_ok=True)
     f.write_text(json.dumps(store_records(synthetic_store()))); return f
 
@@ -153,8 +153,8 @@ def _syn_store(tmp_path):
 def test_the_workspace_holds_the_seeds_traces_and_a_round_keeps_the_controllers_own_trace(tmp_path):
     "Seed traces beside the seed curves (none of CMC), the contract and template agree on numpy and scipy, and a round's traces carry the controller's own steps (were: curves only; standard library only; environment only)."
     import re
-    from tmas_nb.discovery import (DiscoveryConfig, ENVIRONMENT_API, METHOD_TEMPLATE, RoundContext, ScriptedLLM, make_workspace,
-                                   run_discovery)
+    from tmas_nb.autotts.discovery import (
+        DiscoveryConfig, ENVIRONMENT_API, METHOD_TEMPLATE, RoundContext, ScriptedLLM, make_workspace, run_discovery)
     traced = METHOD_TEMPLATE.replace("import math\n", "import math\nimport numpy as np\n").replace(
         "raise NotImplementedError('OptimalController.solve is not written yet')",
         "self._reset_trace(); self._trace_step('start', beta=self.beta)\n"
@@ -187,7 +187,7 @@ def test_the_workspace_holds_the_seeds_traces_and_a_round_keeps_the_controllers_
 def test_the_published_round0_cell_is_set_beside_ours_with_what_was_checked():
     "Round 0, Qwen3-4B, β 0.8: ours 67,746.27 against the published 67,760 carries its explanation; a truncation is a match."
     import pandas as pd
-    from tmas_nb.discovery_history import compare_curves
+    from tmas_nb.autotts.history import compare_curves
     theirs = pd.DataFrame(dict(round=0, store=['Qwen3-4B:aime24', 'Qwen3-4B:aime24', 'Qwen3-8B:aime24'], beta=[0.8, 0.9, 0.4],
                                acc=[36.87, 37.1, 20.0], avg_tokens=[67760.0, 76565.0, 24214.0]))
     ours = theirs.assign(avg_tokens=[67746.2663, 76565.4, 24214.9987], split='search', error=None)

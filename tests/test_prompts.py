@@ -3,13 +3,13 @@ import random
 
 import pytest
 
-from tmas_nb.memory import ExperienceBank, GuidelineBank, HashingEmbedder, RSEBank
-from tmas_nb.prompts import (DEFAULT_TEMPLATES, DISTILLATION_KEYS, EXPERIENCE_KEYS, GUIDELINE_KEYS, REFINE_PROMPT,
-                             SOLUTION_PROMPT, fill, get_templates, parse_json_lists, parse_json_object,
-                             parse_verification_score, render_distillation_messages, render_experience_messages,
-                             render_guideline_messages, render_pacore_messages, render_rse_messages,
-                             render_self_refine_messages, render_solution_messages, render_summary_messages,
-                             render_verification_messages, render_verify_refine_messages)
+from tmas_nb.methods.memory import ExperienceBank, GuidelineBank, HashingEmbedder, RSEBank
+from tmas_nb.methods.prompts import (
+    DEFAULT_TEMPLATES, DISTILLATION_KEYS, EXPERIENCE_KEYS, GUIDELINE_KEYS, REFINE_PROMPT, SOLUTION_PROMPT, fill,
+    get_templates, parse_json_lists, parse_json_object, parse_verification_score, render_distillation_messages,
+    render_experience_messages, render_guideline_messages, render_pacore_messages, render_rse_messages,
+    render_self_refine_messages, render_solution_messages, render_summary_messages, render_verification_messages,
+    render_verify_refine_messages)
 
 Q = 'Let n be a positive integer with n^2 + 1 divisible by 5. Find n mod 5.'
 ROLLOUTS = [dict(solution='<think>private scratch work</think>Try n = 2: 5 | 5, so n ≡ 2.', score=0.5,

@@ -8,11 +8,14 @@ import json
 import pandas as pd
 import pytest
 
-from tmas_nb.agents import AgentContext, SamplingConfig, distill, update_experience
-from tmas_nb.data import demo_problems
+from tmas_nb.methods.agents import AgentContext, SamplingConfig, distill, update_experience
+from tmas_nb.data.benchmarks import demo_problems
 from tmas_nb.llm.core import Completion
-from tmas_nb.memory import ExperienceBank, HashingEmbedder, RSEBank
-from tmas_nb.methods import RSEConfig, TMASConfig, majority_answer, run_method
+from tmas_nb.methods.memory import ExperienceBank, HashingEmbedder, RSEBank
+from tmas_nb.methods.rse import RSEConfig
+from tmas_nb.methods.tmas import TMASConfig
+from tmas_nb.methods.baselines import majority_answer
+from tmas_nb.methods.solve import run_method
 
 from helpers import ScriptedLLM
 
@@ -100,11 +103,11 @@ def _records(rows):
 
 
 def test_a_problem_that_stopped_early_keeps_counting():
-    from tmas_nb.analysis import pass_at_1_by_iteration
+    from tmas_nb.runs.folder import pass_at_1_by_iteration
     rec = _records([('a', 0, 0, True), ('b', 0, 0, False), ('b', 1, 0, False), ('b', 2, 0, False)])
     curve = pass_at_1_by_iteration(rec)
     assert list(curve.pass_at_1) == [0.5, 0.5, 0.5]
-    from tmas_nb.runs import pass_at_1_by_iteration as run_curve
+    from tmas_nb.runs.folder import pass_at_1_by_iteration as run_curve
     assert run_curve is pass_at_1_by_iteration      # one Pass@1 for the reports and `tmas runs summary`
     assert list(curve.carried_problems) == [0, 1, 1]
 
@@ -112,7 +115,7 @@ def test_a_problem_that_stopped_early_keeps_counting():
 # ------------------------------------------------------------------ the paradox's sign
 
 def test_paradox_delta_is_never_minus_ever():
-    from tmas_nb.analysis import verification_paradox
+    from tmas_nb.analysis.tables import verification_paradox
     rec = pd.DataFrame([dict(problem_id=p, iteration=0, candidate=0, correct=c, mean_score=s)
                         for p, c, s in [('a', True, 0.2), ('b', True, 0.4), ('c', False, 0.9), ('d', False, 0.7)]])
     row = verification_paradox(rec).iloc[-1]
@@ -225,7 +228,7 @@ def test_flags_and_config_layer_over_the_preset(tmp_path):
 def test_print_config_is_what_config_json_records(tmp_path):
     "The JSON of --print-config and the config.json the same command writes agree (but for when it started)."
     from tmas_nb.cli import build_parser
-    from tmas_nb.runs import plan_run, start_run
+    from tmas_nb.runs.start import plan_run, start_run
     from helpers import REPLIES, ScriptedLLM
     argv = ['run', '--method', 'rse', '--benchmark', 'demo', '--limit', '1', '--preset', 'cpu-demo', '--iterations', '2',
             '--backend', 'transformers']
@@ -247,7 +250,7 @@ def test_run_help_prints_the_presets():
 
 
 def test_problem_id_list_selects_problems(tmp_path):
-    from tmas_nb.data import read_problem_ids, select_problems, write_problem_ids
+    from tmas_nb.data.benchmarks import read_problem_ids, select_problems, write_problem_ids
     f = write_problem_ids(tmp_path / 'ids.txt', ['demo-03', 'demo-01'], {'seed': 7})
     assert read_problem_ids(f) == ['demo-03', 'demo-01']
     assert [p.id for p in select_problems(demo_problems(), read_problem_ids(f))] == ['demo-01', 'demo-03']
@@ -261,8 +264,8 @@ def test_rse_distils_a_trajectory_longer_than_the_packaged_models_context():
     "Every part of a ~60K-token trajectory reaches the distiller, in order, each prompt within the packaged model's context."
     from transformers import AutoTokenizer
     from tmas_nb.llm.models import resolve_model
-    from tmas_nb.runs import model_context_length
-    from tmas_nb.methods import distill_whole
+    from tmas_nb.runs.protocol import model_context_length
+    from tmas_nb.methods.rse import distill_whole
     context = model_context_length('default')
     tok = AutoTokenizer.from_pretrained(resolve_model('default'))
     reasoning = ''.join(f'line {i}: the running total is now {7 * i} after adding seven.\n' for i in range(3200))
@@ -282,7 +285,7 @@ def test_rse_distils_a_trajectory_longer_than_the_packaged_models_context():
     for p in seen: assert len(tok(p)['input_ids']) + 1024 <= context
     assert u.answer['verified_propositions'] == [f'fact from part {i}' for i in range(1, len(seen) + 1)]
     bank = RSEBank(embedder=HashingEmbedder())
-    from tmas_nb.agents import apply_distillation
+    from tmas_nb.methods.agents import apply_distillation
     assert apply_distillation(bank, u.answer, 'both', 0) >= 1
 
 
@@ -315,7 +318,8 @@ def test_rse_ablations_are_settings(tmp_path):
 
 def test_the_summary_line_says_how_the_numbers_were_graded():
     from types import SimpleNamespace
-    from tmas_nb.runs import layer_settings, summary_line
+    from tmas_nb.runs.protocol import layer_settings
+    from tmas_nb.runs.start import summary_line
     s = {'problems': 2, 'iterations': [{'iteration': 0, 'pass_at_1': 0.5}]}
     for preset, expected in [('tmas-paper', 'rule-graded (the paper: LLM judge DeepSeek-V3.2, mean of 4 runs; grade as the paper: '
                                             'tmas judge RUN_DIR --judge URL_OR_MODEL --repeats 4)'),

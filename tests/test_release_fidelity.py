@@ -14,9 +14,11 @@ import pandas as pd
 import pytest
 
 from tmas_nb.cli import main
-from tmas_nb.data import demo_problems
+from tmas_nb.data.benchmarks import demo_problems
 from tmas_nb.llm.core import LLM, Completion, Request
-from tmas_nb.methods import RSEConfig, TMASConfig, run_method
+from tmas_nb.methods.rse import RSEConfig
+from tmas_nb.methods.tmas import TMASConfig
+from tmas_nb.methods.solve import run_method
 
 from helpers import REPLIES, ScriptedLLM
 
@@ -40,10 +42,11 @@ class CutLLM(LLM):
 # ------------------------------------------------------------------ 1. RSE grades a cut rollout as its release does
 
 def test_rse_paper_grades_a_cut_rollout_as_the_release(tmp_path):
-    from tmas_nb.runs import layer_settings, start_run
+    from tmas_nb.runs.protocol import layer_settings
+    from tmas_nb.runs.start import start_run
     cfg, rec = layer_settings('sampling', 'rse-paper', flags={'n_candidates': 2}, model='Qwen3-4B-Thinking-2507', backend='openai')
     assert cfg.answer_from_truncated == 'release' and rec['protocol']['cut_outputs']['value'] == 'release'
-    from tmas_nb.data import Problem
+    from tmas_nb.data.benchmarks import Problem
     problem = Problem('six-sevens', 'What is 6 times 7?', '42', {})
     run = asyncio.run(start_run('sampling', [problem], cfg, tmp_path / 'release', llm=CutLLM('cut'), progress=False, record=rec))
     assert run.records.answer.tolist() == ['42', '42'] and run.records.correct.all()       # its last number
@@ -57,7 +60,7 @@ def test_rse_paper_grades_a_cut_rollout_as_the_release(tmp_path):
 # ------------------------------------------------------------------ 2. the RSE prompts, templates from a file, the parser
 
 def test_templates_from_a_file_run_and_are_recorded(tmp_path):
-    from tmas_nb.prompts import template_set
+    from tmas_nb.methods.prompts import template_set
     f = tmp_path / 'strict_distiller.json'
     mine = {'rse_distill': 'Distil the attempt {solution} at {question} into JSON with verified_propositions and critical_pitfalls.'}
     f.write_text(json.dumps(mine))
@@ -143,7 +146,7 @@ def _guidelines(tmp_path, name, **kw):
 
 
 def test_the_guideline_bank_is_append_only_unless_the_release_rule_is_asked(tmp_path):
-    from tmas_nb.runs import layer_settings
+    from tmas_nb.runs.protocol import layer_settings
     assert _guidelines(tmp_path, 'paper') == ['multiply 6 by 7', 'add 7 six times']
     assert _guidelines(tmp_path, 'release', guideline_update='replace') == ['add 7 six times']
     t, rec = layer_settings('tmas', 'tmas-paper', flags={'n_candidates': 2}, backend='openai')
@@ -165,7 +168,7 @@ def test_a_round_merges_old_items_into_this_rounds_as_the_release(tmp_path):
 
 
 def test_rse_paper_asks_a_distillation_again_five_times(tmp_path):
-    from tmas_nb.runs import layer_settings
+    from tmas_nb.runs.protocol import layer_settings
     cfg, _ = layer_settings('rse', 'rse-paper', flags={'n_candidates': 1, 'iterations': 2, 'max_new_tokens': 16, 'embedder': 'hashing'},
                             model='Qwen3-4B-Thinking-2507', backend='openai')
     replies = ['no JSON yet'] * 5 + [REPLIES['distillation']]

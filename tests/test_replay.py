@@ -7,12 +7,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tmas_nb.replay.store import load_store, load_store_file, ReplayStore, ReplayStoreError, MODELS, DATASETS
-from tmas_nb.replay.environment import ReplayEnv, IllegalAction
-from tmas_nb.replay.controllers import parse_controller, CMC, ParallelProbe, ASC, ESC, SelfConsistency
-from tmas_nb.replay.fast import check_against_reference
-from tmas_nb.replay.evaluation import (evaluate, run_grid, table_controllers, PAPER_AIME24, load_reference,
-                                       canonical_spec, standard_grid)
+from tmas_nb.autotts.store import load_store, load_store_file, ReplayStore, ReplayStoreError, MODELS, DATASETS
+from tmas_nb.autotts.environment import ReplayEnv, IllegalAction
+from tmas_nb.autotts.controllers import parse_controller, CMC, ParallelProbe, ASC, ESC, SelfConsistency
+from tmas_nb.autotts.fast import check_against_reference
+from tmas_nb.autotts.evaluation import (
+    evaluate, run_grid, table_controllers, PAPER_AIME24, load_reference, canonical_spec, standard_grid)
 from tmas_nb.cli import main
 
 from helpers import toy_store as _toy

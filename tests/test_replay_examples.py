@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-import tmas_nb.replay
-from tmas_nb.replay.authors_api import EXAMPLE_CONTROLLERS, example_controller, install_authors_shims
-from tmas_nb.replay.build import BuildSettings, build_cli, build_store
+import tmas_nb.autotts
+from tmas_nb.autotts.authors_api import EXAMPLE_CONTROLLERS, example_controller, install_authors_shims
+from tmas_nb.autotts.build import BuildSettings, build_cli, build_store
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = Path(tmas_nb.replay.__file__).parent / 'examples'
+EXAMPLES = Path(tmas_nb.autotts.__file__).parent / 'examples'
 NAMES = {'authors_sc': 'SCMethod', 'authors_asc': 'ASCMethod', 'authors_cmc': 'CMCMethod',
          'ours_sc': 'SelfConsistencyFile', 'ours_cmc': 'MyCMC'}
 
@@ -41,8 +41,8 @@ def test_cmc_lives_in_the_kernel_the_class_and_the_example_only():
     lib = Path(tmas_nb.__file__).parent
     holders = sorted(p.relative_to(lib).as_posix() for p in lib.rglob('*.py')
                      if p.name != '_modidx.py' and 'conf_thresh' in p.read_text(encoding='utf-8'))
-    assert holders == ['replay/controllers.py', 'replay/examples/authors_cmc.py', 'replay/fast.py']
-    assert "'''" not in (lib / 'replay' / 'authors_api.py').read_text(encoding='utf-8')
+    assert holders == ['autotts/controllers.py', 'autotts/examples/authors_cmc.py', 'autotts/fast.py']
+    assert "'''" not in (lib / 'autotts' / 'authors_api.py').read_text(encoding='utf-8')
 
 
 def _wheel_names(tmp_path, without_init: bool) -> tuple[Path, list[str]]:
@@ -51,7 +51,7 @@ def _wheel_names(tmp_path, without_init: bool) -> tuple[Path, list[str]]:
     src.mkdir()
     for f in ('setup.py', 'settings.ini', 'README.md'): shutil.copy(ROOT / f, src / f)
     shutil.copytree(ROOT / 'tmas_nb', src / 'tmas_nb', ignore=shutil.ignore_patterns('__pycache__', '*.pyc'))
-    if without_init: (src / 'tmas_nb' / 'replay' / 'examples' / '__init__.py').unlink(missing_ok=True)
+    if without_init: (src / 'tmas_nb' / 'autotts' / 'examples' / '__init__.py').unlink(missing_ok=True)
     r = subprocess.run([sys.executable, '-m', 'build', '--wheel', '--no-isolation', '--outdir', str(tmp_path / 'dist'), str(src)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -63,11 +63,11 @@ def _wheel_names(tmp_path, without_init: bool) -> tuple[Path, list[str]]:
 @pytest.mark.parametrize('without_init', [False, True], ids=['as_tracked', 'without_examples_init'])
 def test_wheel_ships_the_example_files(tmp_path, without_init):
     whl, names = _wheel_names(tmp_path, without_init)
-    for name in NAMES: assert f'tmas_nb/replay/examples/{name}.py' in names, f'{whl.name} lacks examples/{name}.py'
+    for name in NAMES: assert f'tmas_nb/autotts/examples/{name}.py' in names, f'{whl.name} lacks examples/{name}.py'
     if without_init: return
     site = tmp_path / 'site'
     zipfile.ZipFile(whl).extractall(site)
-    code = ("import json, tmas_nb; from tmas_nb.replay.authors_api import example_controller as e; "
+    code = ("import json, tmas_nb; from tmas_nb.autotts.authors_api import example_controller as e; "
             f"print(json.dumps([tmas_nb.__file__, [e(n) for n in {list(NAMES)!r}]]))")
     r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120, cwd=tmp_path,
                        env={'PYTHONPATH': str(site), 'PATH': '/usr/bin:/bin'})
@@ -130,7 +130,7 @@ def test_keyword_and_dataclass_calls_build_the_same_store(tmp_path, smol):
 
 # --- the replay notebooks: small cells --------------------------------------------------------------
 
-NOTEBOOKS = ['01_replay_store', '02_replay_environment', '06_replay_authors_api', '08_replay_build']
+NOTEBOOKS = ['autotts/01_store', 'autotts/02_environment', 'autotts/06_authors_api', 'autotts/08_build']
 
 
 @pytest.mark.parametrize('name', NOTEBOOKS)

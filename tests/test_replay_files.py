@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from tmas_nb.core import find_data_dir
-from tmas_nb.replay.store import ReplayStore, load_store, available_stores
-from tmas_nb.replay.authors_api import AuthorsQuestion, example_controller, run_authors_protocol, store_records
-from tmas_nb.replay.evaluation import evaluate
-from tmas_nb.replay.files import (ControllerError, check_controller_source, evaluate_file, evaluate_file_grid,
-                                  sandbox_mode)
-from tmas_nb.replay.safe import presentation_order
+from tmas_nb.autotts.store import ReplayStore, load_store, available_stores
+from tmas_nb.autotts.authors_api import AuthorsQuestion, example_controller, run_authors_protocol, store_records
+from tmas_nb.autotts.evaluation import evaluate
+from tmas_nb.autotts.files import ControllerError, check_controller_source, evaluate_file, evaluate_file_grid
+from tmas_nb.sandbox import sandbox_mode
+from tmas_nb.autotts.safe import presentation_order
 
 TOY = {'question': 'q0', 'gold_answer': '7', 'probe_freq': 500, 'final_answers_trace': [],
        'each_branch': [[['7', '7'], 1200, '7'], [['3'], 900, '7'], [[], 300, '3']]}
@@ -299,7 +299,7 @@ def test_cli_json_and_exit_code(tmp_path, data_root, capsys):
 
 
 def test_fallback_without_bubblewrap_warns_and_still_limits(tmp_path, toy_store, monkeypatch):
-    from tmas_nb.replay import files
+    from tmas_nb.autotts import files
     monkeypatch.setenv('TMAS_SANDBOX', 'rlimits'); files.sandbox_mode.cache_clear(); files._WARNED.clear()
     try:
         with pytest.warns(RuntimeWarning, match='CAN read and write your files'):
@@ -368,7 +368,7 @@ SPLIT_CASES = {
 @pytest.mark.parametrize('cls', list(SPLIT_CASES))
 def test_jobs_identical_and_split_only_when_exact(tmp_path, toy_store, monkeypatch, cls):
     """The trusted path: seeds split over children with a warm-up question (the safe path's lanes: test_replay_safe.py)."""
-    from tmas_nb.replay import files
+    from tmas_nb.autotts import files
     code, expect = SPLIT_CASES[cls]
     p = write(tmp_path, f'{cls}.py', code)
     runs, orig = [], files._run_chunks
@@ -386,7 +386,7 @@ def test_jobs_identical_and_split_only_when_exact(tmp_path, toy_store, monkeypat
 
 
 def test_discovery_cache_never_evaluates_an_unchanged_file_beta_and_store_twice(tmp_path, toy_store, monkeypatch):
-    from tmas_nb import discovery
+    from tmas_nb.autotts import discovery
     from tmas_nb.settings import SandboxSettings
     calls, orig = [], discovery.evaluate_file_configs
     monkeypatch.setattr(discovery, 'evaluate_file_configs', lambda *a, **k: calls.append(a[2]) or orig(*a, **k))
@@ -400,7 +400,7 @@ def test_discovery_cache_never_evaluates_an_unchanged_file_beta_and_store_twice(
 
 
 def test_discovery_cache_evaluates_only_the_configurations_it_lacks(tmp_path, toy_store, monkeypatch):
-    from tmas_nb import discovery
+    from tmas_nb.autotts import discovery
     from tmas_nb.settings import SandboxSettings
     calls, orig = [], discovery.evaluate_file_configs
     monkeypatch.setattr(discovery, 'evaluate_file_configs', lambda *a, **k: calls.append([c['beta'] for c in a[2]]) or orig(*a, **k))

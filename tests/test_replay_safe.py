@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from tmas_nb import sandbox
-from tmas_nb.replay.store import ReplayStore
-from tmas_nb.replay.files import evaluate_file, evaluate_file_configs, evaluate_file_grid
-from tmas_nb.replay.safe import presentation_order
+from tmas_nb.autotts.store import ReplayStore
+from tmas_nb.autotts.files import evaluate_file, evaluate_file_configs, evaluate_file_grid
+from tmas_nb.autotts.safe import presentation_order
 
 
 def write(tmp_path, name, code):
@@ -220,7 +220,7 @@ class Spy:
 
 
 PROBING = '''
-from tmas_nb.replay.controllers import CMC
+from tmas_nb.autotts.controllers import CMC
 class Probing:                    # ours: PROBE and PRUNE are told to the parent without a reply
     def run(self, env):
         for _ in range(3): env.branch()
@@ -237,7 +237,7 @@ def test_probe_and_prune_of_our_api_on_the_safe_path(tmp_path, peek_store, cls, 
     """Ours: PROBE and PRUNE travel in the batch as actions without a reply. Before (a batch listing every told action
     as a note): the parent took them for answers it could not read and stopped the child. Now: the safe path gives the
     trusted path's scores and traces, and the built-ins' numbers."""
-    from tmas_nb.replay.evaluation import evaluate
+    from tmas_nb.autotts.evaluation import evaluate
     p = write(tmp_path, 'probing.py', PROBING)
     safe, trusted = (evaluate_file_configs(p, cls, [cfg], peek_store, seeds=range(4), keep_logs=True, trusted=t)[0] for t in (False, True))
     assert safe.error is None and trusted.error is None, (safe.error, trusted.error)
@@ -268,7 +268,7 @@ def test_the_parents_own_marks_cannot_come_from_the_child(tmp_path, peek_store, 
     the kernel sees them. Before: a child that wrote those marks itself had them taken as read (here an answer given by
     store id, -2, which is never counted as unrevealed; a forged digest mark was skipped). Now: a mark the batch does not
     list as a note ends the child."""
-    from tmas_nb.replay.pipe import OP_ANSWERED, OP_DIGESTED
+    from tmas_nb.autotts.pipe import OP_ANSWERED, OP_DIGESTED
     op = OP_ANSWERED if mark == 'answered' else OP_DIGESTED
     p = write(tmp_path, 'forge_mark.py', FORGE_MARK.replace('OP,', f'{op},').replace('DROP', str(mark == 'answered')))
     r = evaluate_file(p, 'ForgeMark', {}, peek_store, seeds=[0])
@@ -333,7 +333,7 @@ def test_a_branch_past_the_ceiling_fails_its_episode_counted_and_traced(tmp_path
 
 def test_max_branches_flag_of_replay_eval(tmp_path, peek_store, capsys):
     from tmas_nb.cli import main
-    from tmas_nb.replay.authors_api import store_records
+    from tmas_nb.autotts.authors_api import store_records
     d = tmp_path / 'data' / 'autotts_replay' / 'Toy'; d.mkdir(parents=True)
     (d / 'toy.json').write_text(json.dumps(store_records(peek_store)))
     p = write(tmp_path, 'greedy.py', GREEDY)
@@ -398,7 +398,7 @@ LANE_CASES = {
 def test_lanes_identical_to_one_lane_and_kept_only_when_proven(tmp_path, peek_store, monkeypatch, cls):
     """Lanes of 4 episodes (several per child, over 2 children): a file whose instance keeps only its last question's
     state is accepted as split; one that carries more is redone in one lane; the results equal one lane's either way."""
-    from tmas_nb.replay import safe
+    from tmas_nb.autotts import safe
     code, expect = LANE_CASES[cls]
     p = write(tmp_path, f'{cls}.py', code)
     runs, orig = [], safe._SafeEval.run
@@ -421,7 +421,7 @@ def test_lanes_identical_to_one_lane_and_kept_only_when_proven(tmp_path, peek_st
 FORGE = '''
 import os, struct, time
 try:
-    from tmas_nb.replay.pipe import frame, K_START
+    from tmas_nb.autotts.pipe import frame, K_START
     START = frame(K_START, struct.pack('<I', 0))
 except ImportError: START = b''
 class Forge:
@@ -470,8 +470,8 @@ class Flood:
 
 _MEASURE = r'''
 import json, resource, sys
-from tmas_nb.replay.store import ReplayStore
-from tmas_nb.replay.files import evaluate_file
+from tmas_nb.autotts.store import ReplayStore
+from tmas_nb.autotts.files import evaluate_file
 path, records, memory_mb = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
 st = ReplayStore.from_records(records, name='peek')
 ok = path.replace('flood.py', 'ok.py'); open(ok, 'w').write('class Flood:\n    def __init__(self, config=None): pass\n    def solve(self, q): return q.get_new_branch_final_answer()\n')
@@ -489,7 +489,7 @@ def test_result_floods_cannot_grow_the_parent(tmp_path, peek_store, enforcement)
     """Before: 240 MB of crafted result lines (the old line cap was 64 MB, parsed as JSON) took the parent past the
     sandbox's own budget. Now frames are capped before they are read: the parent's peak grows by less than a quarter of
     `memory_mb`, on both paths, under both limit modes."""
-    from tmas_nb.replay.authors_api import store_records
+    from tmas_nb.autotts.authors_api import store_records
     p = write(tmp_path, 'flood.py', FLOOD)
     env = dict(os.environ, **({'TMAS_SANDBOX_LIMITS': 'rlimit'} if enforcement == 'rlimit' else {}))
     r = subprocess.run([sys.executable, '-c', _MEASURE, str(p), json.dumps(store_records(peek_store)[:1]), '512'],

@@ -9,12 +9,13 @@ from PIL import Image
 from matplotlib.text import Text
 
 from tmas_nb.cli import main
-from tmas_nb.replay.authors_api import example_controller
-from tmas_nb.replay.controllers import parse_controller
-from tmas_nb.replay.environment import ReplayEnv
-from tmas_nb.replay.show import (DPI, FileOptions, draw_episodes, episode, episode_branches, episode_reads, file_episode,
-                                 show_episodes, spec_episode, vote_timeline)
-from tmas_nb.replay.store import load_store
+from tmas_nb.autotts.authors_api import example_controller
+from tmas_nb.autotts.controllers import parse_controller
+from tmas_nb.autotts.environment import ReplayEnv
+from tmas_nb.autotts.show import (
+    DPI, FileOptions, draw_episodes, episode, episode_branches, episode_reads, file_episode, show_episodes,
+    spec_episode, vote_timeline)
+from tmas_nb.autotts.store import load_store
 
 MODEL, BENCH = 'Qwen3-4B', 'aime24'
 
@@ -109,7 +110,7 @@ def test_file_controllers_run_in_the_sandbox_and_replay_to_the_same_episode(stor
     hostile.write_text(textwrap.dedent('''
         import builtins
         builtins.TMAS_CONTROLLER_RAN_HERE = True
-        from tmas_nb.replay.controllers import CMC
+        from tmas_nb.autotts.controllers import CMC
         class MyCMC(CMC):
             name = 'my_cmc'
     '''))

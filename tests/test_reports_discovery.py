@@ -5,9 +5,9 @@ from dataclasses import replace
 import pandas as pd
 import pytest
 
-from tmas_nb.discovery import DiscoveryConfig, EXAMPLE_CONTROLLER, ScriptedLLM, run_discovery, synthetic_store
-from tmas_nb.replay.authors_api import store_records
-from tmas_nb.reporting import run_report
+from tmas_nb.autotts.discovery import DiscoveryConfig, EXAMPLE_CONTROLLER, ScriptedLLM, run_discovery, synthetic_store
+from tmas_nb.autotts.authors_api import store_records
+from tmas_nb.analysis.reporting import run_report
 
 
 def _store_file(tmp_path, **kw):

@@ -4,7 +4,7 @@ overhead against the same request sent upstream directly."""
 import pandas as pd
 import pytest
 
-from tmas_nb.reporting import run_report
+from tmas_nb.analysis.reporting import run_report
 
 
 def test_peers_benchmark_runs_every_contender_on_one_server(tmp_path):

@@ -4,7 +4,7 @@ import json
 import pandas as pd
 import pytest
 
-from tmas_nb.reporting import run_report
+from tmas_nb.analysis.reporting import run_report
 
 
 def test_autotts_table_report(data_root, tmp_path):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from tmas_nb.reporting import run_report
+from tmas_nb.analysis.reporting import run_report
 
 # Tiny settings: 2 demo problems, N = 2, M = 2, T = 2, 12 new tokens per answer. The hashing embedder keeps the memory banks'
 # de-duplication free of a second model load; everything else is the real pipeline with SmolLM2-135M.
@@ -93,7 +93,7 @@ def _final(summary) -> float:
 
 
 def test_analysis_does_not_import_torch():
-    code = "import sys, tmas_nb.analysis; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
+    code = "import sys, tmas_nb.analysis.tables; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
     subprocess.run([sys.executable, '-c', code], check=True, timeout=120)
 
 
@@ -252,7 +252,7 @@ def _compare(*argv, timeout=180):
 
 def test_compare_two_real_runs(recorded_runs, summaries, tmp_path):
     "TMAS against TMAS without its memory banks, on the same two demo problems: every number checked against the run folders."
-    from tmas_nb.run_folder import best_candidates
+    from tmas_nb.runs.folder import best_candidates
     a, b = recorded_runs['tmas_no_memory'], recorded_runs['tmas']
     r = _compare(a, b, '--json', '--png', tmp_path / 'cmp.png')
     assert r.returncode == 0, r.stderr

@@ -12,8 +12,9 @@ import pandas as pd
 from PIL import Image
 
 from tmas_nb.core import repo_root
-from tmas_nb.reporting import (PATH_PARAMETERS, interval_label, iteration_ticks, list_reports, reports_dir, runs_curve,
-                               save_figure, use_style, REPORT_INPUTS)
+from tmas_nb.analysis.reporting import (
+    PATH_PARAMETERS, interval_label, iteration_ticks, list_reports, reports_dir, runs_curve, save_figure, use_style,
+    REPORT_INPUTS)
 
 
 def _report(name):
@@ -48,7 +49,7 @@ def test_saved_figure_is_at_least_150_dpi(tmp_path):
 def test_every_report_figure_goes_through_the_style():
     for name in list_reports():
         src = '\n'.join(c.source for c in _report(name).cells if c.cell_type == 'code')
-        assert 'savefig(' not in src, f"{name}: write figures with tmas_nb.reporting.save_figure"
+        assert 'savefig(' not in src, f"{name}: write figures with tmas_nb.analysis.reporting.save_figure"
         if 'plt.' in src: assert 'use_style()' in src, f"{name} draws without the reports' style"
 
 
@@ -86,8 +87,8 @@ def test_default_paths_come_from_the_repository_wherever_the_kernel_starts(tmp_p
 
 def test_report_run_from_another_folder_writes_under_out(tmp_path):
     "`tmas report` called elsewhere: a relative input path means the caller's folder, outputs land under --out, none in reports/reports."
-    from tmas_nb.discovery import synthetic_store
-    from tmas_nb.replay.authors_api import store_records
+    from tmas_nb.autotts.discovery import synthetic_store
+    from tmas_nb.autotts.authors_api import store_records
     work = tmp_path / 'elsewhere'; (work / 'stores').mkdir(parents=True)
     (work / 'stores' / 'syn.json').write_text(json.dumps(store_records(synthetic_store())))
     before = set(os.listdir(reports_dir()))

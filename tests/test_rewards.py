@@ -5,9 +5,9 @@ import asyncio
 import pytest
 
 from tmas_nb.llm.core import LLM, Completion
-from tmas_nb.rewards import (NOVELTY_REWARDS, CorrectnessReward, CosineNoveltyJudge, ExperienceUtilizationReward,
-                             LLMNoveltyJudge, NoveltyReward, correctness_reward, experience_utilization_rewards,
-                             novelty_reward, strategy_statement)
+from tmas_nb.rl.rewards import (
+    NOVELTY_REWARDS, CorrectnessReward, CosineNoveltyJudge, ExperienceUtilizationReward, LLMNoveltyJudge,
+    NoveltyReward, correctness_reward, experience_utilization_rewards, novelty_reward, strategy_statement)
 
 BASE4_BANK4 = ['base'] * 4 + ['bank'] * 4
 
@@ -120,7 +120,7 @@ def test_minilm_cosine_judge():
 # ------------------------------------------------------------------ one mixed batch, and a judge that reads the rollout
 
 def test_hybrid_rewards_routes_each_row_of_a_mixed_batch_to_its_objective():
-    from tmas_nb.rewards import hybrid_rewards
+    from tmas_nb.rl.rewards import hybrid_rewards
     objectives = ['standard', 'exp_util', 'exp_util', 'exp_util', 'novelty', 'exp_util', 'novelty', 'standard']
     correct = [True, True, False, True, True, True, False, False]
     groups = [None, 'base', 'base', 'bank', None, 'bank', None, None]
@@ -135,7 +135,7 @@ def test_hybrid_rewards_routes_each_row_of_a_mixed_batch_to_its_objective():
 
 
 def test_the_judge_reads_the_solution_when_the_strategy_line_lies():
-    from tmas_nb.rewards import RolloutNoveltyJudge, solution_strategy
+    from tmas_nb.rl.rewards import RolloutNoveltyJudge, solution_strategy
     bank = ['prove the statement by induction on n']
     liar = ("We prove the statement by induction on n. The base case n = 1 holds, and the step from n to n + 1 adds "
             "one term to both sides. Hence \\boxed{12}.\nStrategy: look for an invariant modulo 3")

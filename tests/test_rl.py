@@ -13,13 +13,15 @@ import pandas as pd
 import pytest
 
 from tmas_nb.cli import main
-from tmas_nb.data import demo_problems
-from tmas_nb.methods import TMASConfig, RSEConfig
-from tmas_nb.rewards import experience_utilization_rewards, hybrid_rewards
-from tmas_nb.rl import (group_advantages, half_split_sampler, read_rows, rows_from_runs, toy_rows, training_rows,
-                        last_checkpoint)
-from tmas_nb.runs import start_run, load_run
-from tmas_nb.prompts import render_solution_messages
+from tmas_nb.data.benchmarks import demo_problems
+from tmas_nb.methods.tmas import TMASConfig
+from tmas_nb.methods.rse import RSEConfig
+from tmas_nb.rl.rewards import experience_utilization_rewards, hybrid_rewards
+from tmas_nb.rl.train import group_advantages, half_split_sampler, last_checkpoint
+from tmas_nb.rl.data import read_rows, rows_from_runs, toy_rows, training_rows
+from tmas_nb.runs.start import start_run
+from tmas_nb.runs.folder import load_run
+from tmas_nb.methods.prompts import render_solution_messages
 
 from helpers import REPLIES, ScriptedLLM
 
@@ -176,7 +178,7 @@ def test_grpo_training_survives_kill_9(tmp_path, capsys):
     assert main([*cmd[3:-2], '--learning-rate', '0.5', '--out', str(out)]) == 2
     assert 'other settings (learning_rate: 1e-05 -> 0.5)' in capsys.readouterr().err
     # the report reads these metrics.csv files only
-    from tmas_nb.reporting import run_report
+    from tmas_nb.analysis.reporting import run_report
     d = run_report('rl_training', tmp_path / 'report', dict(runs={'vanilla': str(out), 'hybrid': str(out / 'metrics.csv')}, window=1),
                    progress=False)
     s = pd.read_csv(d / 'start_vs_end.csv')
@@ -203,7 +205,7 @@ def test_teacher_pipeline_with_the_packaged_model(tmp_path, capsys):
 
 
 def test_teacher_rows_mix_every_objective(tmp_path):
-    from tmas_nb.rl import TeacherSettings, teacher
+    from tmas_nb.rl.data import TeacherSettings, teacher
     problems = tmp_path / 'problems.jsonl'
     problems.write_text(json.dumps({'question_id': 'a', 'question': 'What is 6 times 7?', 'answer': '42'}) + '\n')
     t = TeacherSettings(model='scripted', problems=str(problems), n_candidates=2, n_verifications=1, iterations=2,
@@ -233,7 +235,7 @@ def test_paper_config_and_the_shipped_accelerate_configs(tmp_path, capsys):
     d = json.loads(capsys.readouterr().out)
     assert (d['batch']['rollouts_per_step'], d['batch']['epochs_of_paper_rows']) == (128, 0.35) and 'rollouts per step' in d['reading']
     assert 'SGLang' in d['trl_notes']['rollouts by SGLang with FP8'] and 'GPU' in d['needs']
-    from tmas_nb.rl import TrainSettings, grpo_config, PRESETS
+    from tmas_nb.rl.train import TrainSettings, grpo_config, PRESETS
     import trl
     args = grpo_config(TrainSettings(**{**PRESETS['paper'], 'bf16': False}, out=str(tmp_path / 'p')), world_size=8)
     assert (args.per_device_train_batch_size, args.num_generations, args.epsilon_high, args.delta, args.beta, args.loss_type) == (

@@ -67,7 +67,7 @@ def test_dry_run_matches_a_real_run(measured):
     assert wall / 3 <= est <= wall * 3, (est, wall, dry)
     assert 'ours float32' in dry and 'tmas engines calibrate' in dry      # the engine auto takes, and the one-line hint
     assert 'at most 48' in dry                                             # 6 samples x 8 tokens
-    # what the run can decide, before it is run (tmas_nb.stats.power_sentence): one problem decides nothing
+    # what the run can decide, before it is run (tmas_nb.runs.estimates.power_sentence): one problem decides nothing
     assert '  power: 1 problem × 2 candidates: too few problems for a paired test' in dry
 
 
@@ -118,8 +118,8 @@ def test_runs_list_finds_every_run(measured, tmp_path):
     "A second run (scripted) beside a copy of the real one: `tmas runs list` shows both, with method, Pass@1 and path."
     import shutil
     from helpers import REPLIES, ScriptedLLM
-    from tmas_nb.data import demo_problems
-    from tmas_nb.runs import start_run
+    from tmas_nb.data.benchmarks import demo_problems
+    from tmas_nb.runs.start import start_run
     _, run = measured
     shutil.copytree(run, tmp_path / 'a' / 'real')
     asyncio.run(start_run('sampling', demo_problems()[:2], {'n_candidates': 2}, tmp_path / 'b' / 'scripted',

@@ -7,11 +7,13 @@ import time
 
 import pytest
 
-from tmas_nb.data import demo_problems
-from tmas_nb.methods import TMASConfig, read_checkpoints
-from tmas_nb.prompts import parse_verification_score
-from tmas_nb.run_folder import CALL_COLUMNS
-from tmas_nb.runs import load_run, start_run
+from tmas_nb.data.benchmarks import demo_problems
+from tmas_nb.methods.tmas import TMASConfig
+from tmas_nb.methods.solve import read_checkpoints
+from tmas_nb.methods.prompts import parse_verification_score
+from tmas_nb.runs.folder import CALL_COLUMNS
+from tmas_nb.runs.folder import load_run
+from tmas_nb.runs.start import start_run
 
 from test_methods import TINY_TEMPLATES
 
@@ -181,7 +183,7 @@ def test_runs_show_gives_each_bank_what_was_added_kept_and_dropped_and_full_text
 
 def test_runs_show_of_an_rse_run_gives_each_trajectory_its_distilled_items_and_the_merges(tmp_path, capsys):
     from helpers import REPLIES, ScriptedLLM
-    from tmas_nb.methods import RSEConfig
+    from tmas_nb.methods.rse import RSEConfig
     cfg = RSEConfig(n_candidates=2, iterations=2, embedder='hashing', max_new_tokens=32)
     run = asyncio.run(start_run('rse', PROBLEM, cfg, tmp_path / 'rse', model='scripted', llm=ScriptedLLM(REPLIES),
                                 benchmark='demo', progress=False))
@@ -199,7 +201,8 @@ def test_runs_show_of_an_rse_run_gives_each_trajectory_its_distilled_items_and_t
 @pytest.mark.parametrize('name', ['sampling', 'mv', 'self-refine', 'verify-refine', 'pacore', 'rse'])
 def test_every_method_tags_its_calls_with_the_candidate_of_the_record(name, tmp_path):
     from helpers import REPLIES, ScriptedLLM
-    from tmas_nb.methods import BaselineConfig, RSEConfig
+    from tmas_nb.methods.loop import BaselineConfig
+    from tmas_nb.methods.rse import RSEConfig
     kw = dict(n_candidates=3, iterations=2, embedder='hashing', max_new_tokens=32)
     cfg = RSEConfig(**kw) if name == 'rse' else BaselineConfig(**kw)
     run = asyncio.run(start_run(name, PROBLEM, cfg, tmp_path / name, model='scripted', llm=ScriptedLLM(REPLIES),

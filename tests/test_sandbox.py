@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from tmas_nb import sandbox
-from tmas_nb.replay.store import ReplayStore
-from tmas_nb.replay.files import evaluate_file, evaluate_file_grid
+from tmas_nb.autotts.store import ReplayStore
+from tmas_nb.autotts.files import evaluate_file, evaluate_file_grid
 
 TOY = {'question': 'q0', 'gold_answer': '7', 'probe_freq': 500, 'final_answers_trace': [],
        'each_branch': [[['7', '7'], 1200, '7'], [['3'], 900, '7'], [[], 300, '3']]}
@@ -210,8 +210,8 @@ def test_a_checkout_under_tmp_works(tmp_path, toy_store):
     ctrl.write_text("class A:\n    def __init__(self, config=None): pass\n    def solve(self, q): return q.get_new_branch_final_answer()\n")
     script = textwrap.dedent(f'''
         import json, tmas_nb
-        from tmas_nb.replay.store import ReplayStore
-        from tmas_nb.replay.files import evaluate_file
+        from tmas_nb.autotts.store import ReplayStore
+        from tmas_nb.autotts.files import evaluate_file
         assert tmas_nb.__file__.startswith({str(tmp_path)!r}), tmas_nb.__file__
         st = ReplayStore.from_records([{TOY!r}], name='toy')
         r = evaluate_file({str(ctrl)!r}, 'A', {{}}, st, seeds=[0, 1])

@@ -98,16 +98,16 @@ def test_a_command_imports_only_its_own_module():
     code = ("import sys; from tmas_nb.cli import build_parser, command_named; "
             "assert command_named(['runs', 'summary', 'R']) == 'runs summary' and command_named(['--help']) is None; "
             "build_parser(command_named(['run', '--method', 'tmas'])); "
-            "print(sorted(m for m in ('tmas_nb.replay.evaluation', 'tmas_nb.discovery', 'tmas_nb.rl', 'tmas_nb.runs') if m in sys.modules))")
+            "print(sorted(m for m in ('tmas_nb.autotts.evaluation', 'tmas_nb.autotts.discovery', 'tmas_nb.rl.train', 'tmas_nb.runs.start') if m in sys.modules))")
     p = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert p.stdout.split('\n')[0] == "['tmas_nb.runs']"
+    assert p.stdout.split('\n')[0] == "['tmas_nb.runs.start']"
 
 
 def _reads_of_checkpoints(monkeypatch):
     "Count, per checkpoint file, how often it is read (every checkpoint read goes through `methods.read_untrusted_json`)."
     import collections
-    from tmas_nb import methods
+    from tmas_nb.methods import solve as methods
     reads, orig = collections.Counter(), methods.read_untrusted_json
     def counting(path, *a, **kw):
         if Path(path).name.startswith('iter_'): reads[str(path)] += 1
@@ -122,9 +122,9 @@ def test_a_resumed_run_reads_each_checkpoint_once(tmp_path, monkeypatch):
     calls each read everything again). The scripted model only stands in for the control flow."""
     from helpers import ScriptedLLM, REPLIES
     from tmas_nb.llm.core import run_sync
-    from tmas_nb.data import demo_problems
-    from tmas_nb.methods import TMASConfig
-    from tmas_nb.runs import start_run
+    from tmas_nb.data.benchmarks import demo_problems
+    from tmas_nb.methods.tmas import TMASConfig
+    from tmas_nb.runs.start import start_run
     probs, cfg = demo_problems()[:3], TMASConfig(n_candidates=2, n_verifications=2, iterations=2, embedder='hashing', max_new_tokens=16)
     run = lambda: run_sync(start_run('tmas', probs, cfg, tmp_path / 'run', llm=ScriptedLLM(REPLIES), progress=False))
     first = run()

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from tmas_nb.data import demo_problems
-from tmas_nb.methods import TMASConfig
-from tmas_nb.replay.store import STORE_MAX_CELLS, ReplayStoreError, load_store_file
-from tmas_nb.runs import start_run
+from tmas_nb.data.benchmarks import demo_problems
+from tmas_nb.methods.tmas import TMASConfig
+from tmas_nb.autotts.store import STORE_MAX_CELLS, ReplayStoreError, load_store_file
+from tmas_nb.runs.start import start_run
 
 from helpers import REPLIES, ScriptedLLM
 

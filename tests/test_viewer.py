@@ -14,10 +14,10 @@ import pandas as pd
 import pytest
 
 from tmas_nb.cli import main
-from tmas_nb.data import demo_problems
-from tmas_nb.methods import TMASConfig
-from tmas_nb.run_folder import load_run
-from tmas_nb.runs import start_run
+from tmas_nb.data.benchmarks import demo_problems
+from tmas_nb.methods.tmas import TMASConfig
+from tmas_nb.runs.folder import load_run
+from tmas_nb.runs.start import start_run
 
 from test_methods import TINY_TEMPLATES
 

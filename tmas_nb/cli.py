@@ -6,16 +6,18 @@
 from __future__ import annotations
 import argparse, datetime, importlib, os, sys, traceback
 from pathlib import Path
-
 from .core import terminal_safe
 from .settings import CommandHelp
 import difflib, re
 import threading
 
 # %% auto #0
-__all__ = ['GROUPS', 'COMMANDS', 'DOCS_URL', 'GUIDES', 'GUIDE_OF', 'EXPECTED', 'guide_of', 'guide_line', 'GuideHelp',
-           'guides_epilog', 'build_parser', 'command_named', 'did_you_mean', 'TmasParser', 'UserError', 'error_message',
-           'error_dir', 'save_traceback', 'run_command', 'main', 'leave_now']
+__all__ = ['GROUPS', 'COMMANDS', 'DOCS_URL', 'GUIDES', 'GUIDE_OF', 'guide_of', 'guide_line', 'GuideHelp', 'guides_epilog',
+           'build_parser', 'command_named', 'did_you_mean', 'TmasParser', 'error_dir', 'save_traceback', 'run_command',
+           'main', 'leave_now']
+
+# %% ../nbs/99_cli.ipynb #81c61447
+from .errors import error_message
 
 # %% ../nbs/99_cli.ipynb #b1ee5884
 GROUPS = {
@@ -29,26 +31,26 @@ GROUPS = {
 
 # %% ../nbs/99_cli.ipynb #323d9573
 COMMANDS = {   # command: (module:function that adds its flags, help, description)
-    'replay eval': ('tmas_nb.replay.commands:eval_cli', "evaluate one controller on one replay store (authors' protocol)",
+    'replay eval': ('tmas_nb.autotts.commands:eval_cli', "evaluate one controller on one replay store (authors' protocol)",
                     'Evaluate one controller on one store. SPEC examples: sc:k=64, asc:max_samples=64,threshold=0.95, '
                     'esc:max_samples=64,window=8, pp:num_chains=64, cmc:beta=0.5'),
-    'replay grid': ('tmas_nb.replay.commands:grid_cli', 'run the standard controller grid on all stores',
+    'replay grid': ('tmas_nb.autotts.commands:grid_cli', 'run the standard controller grid on all stores',
                     'ASC, ESC, SC, Parallel-Probe and CMC sweeps (34 configurations) on every model × benchmark store.'),
-    'replay show': ('tmas_nb.replay.show:show_cli', 'one controller episode as a picture (branches × depth, the vote, where it stopped)',
+    'replay show': ('tmas_nb.autotts.show:show_cli', 'one controller episode as a picture (branches × depth, the vote, where it stopped)',
                     'Draw one episode of a controller on one question and branch order: a row per opened branch with every '
                     'revealed answer marked correct, wrong or unreadable, pruned and finished branches, the vote over the '
                     'episode and where the controller stopped; --controller twice puts two side by side. Prints a summary '
                     'and writes a PNG (--png, default replay_show/...png).'),
-    'replay build': ('tmas_nb.replay.build:build_cli', 'build a replay store from a model (branches probed every T tokens)',
+    'replay build': ('tmas_nb.autotts.build:build_cli', 'build a replay store from a model (branches probed every T tokens)',
                      'Sample B branches per question, probe each every T tokens, write a store the loader validates. '
                      'Resumes from STORE.json.parts/ after an interruption.'),
-    'grade': ('tmas_nb.grading:grade_cli', 'check a prediction against a reference answer; prints true/false',
+    'grade': ('tmas_nb.data.grading:grade_cli', 'check a prediction against a reference answer; prints true/false',
               'Extract the final answer from a prediction (the last \\boxed{}, else an "answer is" line) and compare it with '
               'the reference answer.'),
     'serve': ('tmas_nb.llm.server:serve_cli', 'serve a model as an OpenAI-compatible chat server',
               'Load a model and serve it at /v1/chat/completions and /v1/completions (in this process, or with llama-server '
               'for --backend llama.cpp).'),
-    'gateway': ('tmas_nb.gateway:gateway_cli', 'serve every method behind one OpenAI-compatible endpoint, each request a run folder',
+    'gateway': ('tmas_nb.runs.gateway:gateway_cli', 'serve every method behind one OpenAI-compatible endpoint, each request a run folder',
                 'Serve TMAS, RSE, the baselines and live controllers at /v1/chat/completions: the model name picks the method '
                 '(mv, tmas, controller:cmc:beta=0.5, ...; GET /v1/models lists them), a "tmas" object in the body sets it, and '
                 'every request writes a resumable run folder under --out.'),
@@ -58,65 +60,65 @@ COMMANDS = {   # command: (module:function that adds its flags, help, descriptio
     'engines show': ('tmas_nb.llm.engines:show_cli', 'print the saved table and what --backend auto picks', None),
     'engines build-llama': ('tmas_nb.llm.engines:build_llama_cli',
                             "build llama-server from llama-cpp-python's sources into ~/.cache/tmas_nb/llama.cpp", None),
-    'run': ('tmas_nb.runs:run_cli', 'run TMAS, RSE or a baseline on a benchmark into a run folder (resumable)',
+    'run': ('tmas_nb.runs.start:run_cli', 'run TMAS, RSE or a baseline on a benchmark into a run folder (resumable)',
             'Run a method on a benchmark. Rerunning the same command on the same --out folder resumes it from its '
             'checkpoints and call cache.'),
-    'runs summary': ('tmas_nb.runs:summary_cli', 'pass@1 per iteration, tokens per role, wall time, engine, outputs cut and answers of a run',
+    'runs summary': ('tmas_nb.runs.summary:summary_cli', 'pass@1 per iteration, tokens per role, wall time, engine, outputs cut and answers of a run',
                      'Print the summary of a run folder; with --json exactly one JSON object with the keys method, problems, '
                      'iterations, tokens_by_role, tokens_by_endpoint, complete, wall_s, engine, backend, truncated_by_role, '
                      'warnings, answers.'),
-    'runs list': ('tmas_nb.runs:list_cli', 'every run under a folder: method, model, problems, complete, pass@1, wall time', None),
-    'runs watch': ('tmas_nb.progress:watch_cli', "a running run's progress from its status.json, until it completes",
+    'runs list': ('tmas_nb.runs.summary:list_cli', 'every run under a folder: method, model, problems, complete, pass@1, wall time', None),
+    'runs watch': ('tmas_nb.runs.progress:watch_cli', "a running run's progress from its status.json, until it completes",
                    'Print the calls done of those planned per role, tokens/s, outputs cut by the token limit and the time left, '
                    'every few seconds, until the run is complete.'),
-    'runs show': ('tmas_nb.run_show:show_cli', "what every agent said: problems × iterations, or one problem's iterations as a tree",
+    'runs show': ('tmas_nb.runs.show:show_cli', "what every agent said: problems × iterations, or one problem's iterations as a tree",
                   'Without --problem: a table of problems × iterations (correct / candidates, answers, Pass@1). With --problem: '
                   'that problem\'s iterations as a tree: each candidate (branch, finish reason, answer, verdict), the texts of '
                   'its calls (solution, reviews with their scores, summary), the memory agents and what each bank added, kept '
                   'and dropped (RSE: what each trajectory distilled and what was merged). Texts are shortened unless --full.'),
-    'runs export': ('tmas_nb.viewer:export_cli', 'write a run as one self-contained HTML viewer (candidates, reviews, banks, Pass@1)',
+    'runs export': ('tmas_nb.runs.viewer:export_cli', 'write a run as one self-contained HTML viewer (candidates, reviews, banks, Pass@1)',
                     'Write the run viewer (every candidate with its reviews and summary, the banks with what each iteration added, '
                     'kept and dropped, Pass@1 by iteration) as one HTML file that needs no server or network. Open it at '
                     '#problem=ID&iteration=K&candidate=C (K counts from 0: It0 is the first iteration).'),
-    'compare': ('tmas_nb.compare:compare_cli', 'runs side by side: Pass@1 per iteration with intervals, paired differences with p, tokens',
+    'compare': ('tmas_nb.analysis.compare:compare_cli', 'runs side by side: Pass@1 per iteration with intervals, paired differences with p, tokens',
                 'Read two or more run folders (no model) and set them side by side: Pass@1 per iteration with 95 % intervals over '
                 'problems, each run\'s paired difference from the first with its interval and p (Holm across the table), the '
                 'final answer (best candidate), tokens per problem and their ratio. Runs on other problems or graded '
                 'differently are refused; other protocols, models or budgets are flagged. --json prints one object, --png '
                 'writes the figure.'),
-    'report': ('tmas_nb.reporting:report_cli', 'regenerate a report notebook (papermill) into an output folder',
+    'report': ('tmas_nb.analysis.reporting:report_cli', 'regenerate a report notebook (papermill) into an output folder',
                'Run reports/NAME.ipynb (or all of them) with papermill; outputs go to OUT/NAME/.'),
-    'rl data': ('tmas_nb.rl:data_cli', 'training rows (Parquet) from finished TMAS runs, or the toy task',
+    'rl data': ('tmas_nb.rl.data:data_cli', 'training rows (Parquet) from finished TMAS runs, or the toy task',
                 "Build training rows from finished TMAS run folders: the solution agent's inputs at each iteration (historical "
                 "rollouts, experience and guideline banks). `--objective all` mixes every objective (--mix); `--format verl` "
                 "writes verl's layout; `--runs toy` writes the toy task instead."),
-    'rl teacher': ('tmas_nb.rl:teacher_cli', 'training rows from TMAS runs of a teacher model on a problem file',
+    'rl teacher': ('tmas_nb.rl.data:teacher_cli', 'training rows from TMAS runs of a teacher model on a problem file',
                    'Run TMAS with the teacher model on problems with gold answers into OUT/run, then write the mixed '
                    'training rows to OUT/data.parquet (the paper\'s data construction).'),
-    'rl train': ('tmas_nb.rl:train_cli', 'GRPO training with the TMAS rewards (resumes from OUT/checkpoints)',
+    'rl train': ('tmas_nb.rl.train:train_cli', 'GRPO training with the TMAS rewards (resumes from OUT/checkpoints)',
                  'Train with TRL GRPOTrainer. Writes OUT/metrics.csv and OUT/checkpoints; rerunning the same command resumes '
                  'from the last checkpoint. Multi-GPU: accelerate launch -m tmas_nb.cli rl train ...'),
-    'discover': ('tmas_nb.discovery:discover_cli', 'AutoTTS discovery: an explorer writes beta-controllers from the history, scored in the replay sandbox',
+    'discover': ('tmas_nb.autotts.discovery:discover_cli', 'AutoTTS discovery: an explorer writes beta-controllers from the history, scored in the replay sandbox',
                  'Each round an explorer (a coding agent in a sandboxed workspace, --agent-cmd, or the built-in proposer, '
                  '--proposer) starts from the template with the seed controllers (SC, ASC, ESC, Parallel-Probe) as code, reads '
                  'every earlier round (code, beta curves, execution traces) and writes OptimalController, one knob beta. The '
                  'proposal is evaluated in the sandbox on the search stores over beta in 0..1, at most --max-branches branches '
                  'per question (64, the paper\'s ceiling). After the rounds the controller and beta of the highest search '
                  'accuracy is selected and evaluated on the held-out stores beside the baselines. Rerun the same command to resume.'),
-    'data fetch': ('tmas_nb.fetch:fetch_cli', 'download data sets, pinned and verified (`tmas data list` shows them)',
+    'data fetch': ('tmas_nb.data.fetch:fetch_cli', 'download data sets, pinned and verified (`tmas data list` shows them)',
                    'Download data sets into the user data folder (or --dest), verify each file against its pinned sha256 '
                    'and rename it into place. NAME: autotts, imo_answerbench, hmmt24, hmmt25, hle_math_100, autotts-reference, '
                    'autotts-history, all (- and _ are interchangeable).'),
-    'data list': ('tmas_nb.fetch:list_cli', 'the data sets: source, licence, size, and whether they are present and verified', None),
-    'data mirror': ('tmas_nb.fetch:mirror_cli', 'lay out local data as a mirror (<owner>/<repo>/<commit>/<path>) for --mirror',
+    'data list': ('tmas_nb.data.fetch:list_cli', 'the data sets: source, licence, size, and whether they are present and verified', None),
+    'data mirror': ('tmas_nb.data.fetch:mirror_cli', 'lay out local data as a mirror (<owner>/<repo>/<commit>/<path>) for --mirror',
                     'Lay out the verified files of a data folder as <OUT>/<owner>/<repo>/<commit>/<path> (symlinks unless '
                     '--copy); serve OUT with any static web server, e.g. `python -m http.server -d OUT`, and fetch elsewhere '
                     'with `tmas data fetch NAME --mirror http://HOST:PORT`.'),
-    'data hard-subset': ('tmas_nb.hard_subset:hard_subset_cli', "build a hard subset (TMAS's IMO-AnswerBench-50) as a problem-id list",
+    'data hard-subset': ('tmas_nb.runs.hard_subset:hard_subset_cli', "build a hard subset (TMAS's IMO-AnswerBench-50) as a problem-id list",
                          'Sample --samples solutions per problem from a reference model, keep the problems with fewer than '
                          '--threshold correct, pick --k of them with --seed, and write their ids (one per line, with how they '
                          'were chosen) to --out.'),
-    'judge': ('tmas_nb.judge:judge_cli', 'grade every candidate of a run R times with an LLM judge (Pass@1 = mean over judge runs)',
+    'judge': ('tmas_nb.runs.judge:judge_cli', 'grade every candidate of a run R times with an LLM judge (Pass@1 = mean over judge runs)',
               'Ask a judge model whether each candidate of a finished run gives the reference answer, R times per '
               'candidate, and write correct_judge0..R-1 into records.parquet. Calls are cached in the run folder, so an '
               'interrupted judging resumes.'),
@@ -238,53 +240,6 @@ class TmasParser(argparse.ArgumentParser):
     def error(self, message):
         cmd = _command_parser(self, getattr(self, '_words', []))
         self.exit(2, f"{cmd.prog}: error: {message}{did_you_mean(message, cmd)} (`{cmd.prog} --help` lists them)\n")
-
-# %% ../nbs/99_cli.ipynb #fa5184f8
-class UserError(Exception):
-    "An expected failure the user can fix; `tmas` prints its message on one line and exits with status 2."
-
-def _module_of(e: BaseException) -> str:
-    "The top-level package of the class of `e` or of one of its bases (httpx, openai, papermill, jupyter_client, …)."
-    mods = {c.__module__.split('.')[0] for c in type(e).__mro__}
-    for m in ('httpx', 'httpcore', 'openai', 'papermill', 'jupyter_client', 'nbclient'):
-        if m in mods: return m
-    return ''
-
-def _server_message(e: BaseException) -> str:
-    req = getattr(e, 'request', None)
-    url = getattr(req, 'url', None) if req is not None else None
-    where = f' at {url}' if url else ''
-    name = type(e).__name__
-    if 'Connect' in name or 'Connection' in name:
-        return f"cannot reach the server{where} ({e}); is it running? Start one with `tmas serve` or check --base-url"
-    if 'Timeout' in name: return f"the server{where} did not answer in time ({e}); retry, or raise the client timeout"
-    status = getattr(getattr(e, 'response', None), 'status_code', None) or getattr(e, 'status_code', None)
-    if status == 401: return f"the server{where} refused the request (401 unauthorized): pass its API key (--api-key)"
-    return f"server error{where}: {name}: {e}"
-
-EXPECTED = (UserError, ValueError, FileNotFoundError, KeyError, NotADirectoryError, IsADirectoryError, PermissionError)
-
-def error_message(e: BaseException) -> str | None:
-    "The one-line message for an expected failure `e`, or None when `e` is a bug."
-    if isinstance(e, KeyError): return str(e.args[0]) if e.args else 'missing key'
-    if isinstance(e, EXPECTED): return ' '.join(str(e).split()) or type(e).__name__
-    if any(c.__name__ == 'LLMRequestError' for c in type(e).__mro__):   # the OpenAI-compatible backend gave up
-        return ' '.join(str(e).split())
-    mod = _module_of(e)
-    if mod in ('httpx', 'httpcore', 'openai'): return _server_message(e)
-    if mod == 'papermill' and type(e).__name__ == 'PapermillExecutionError':
-        if e.ename in {c.__name__ for c in EXPECTED}: return f"{e.ename}: {' '.join(str(e.evalue).split())}"
-        return None
-    if mod == 'papermill': return f"papermill: {' '.join(str(e).split())}"
-    if mod == 'jupyter_client' and type(e).__name__ == 'NoSuchKernel':
-        return f"{e}; register the project's kernel with `bash .ci/setup` (it runs `python -m ipykernel install`)"
-    if e.__cause__ is not None and error_message(e.__cause__) is not None:   # e.g. "2 of 5 problems failed" from a server error
-        return ' '.join(str(e).split())
-    if isinstance(e, ConnectionError): return f"connection failed: {e}"
-    if isinstance(e, OSError):
-        what = e.strerror or str(e)
-        return f"{what}: {e.filename}" if e.filename else what
-    return None
 
 # %% ../nbs/99_cli.ipynb #830d0196
 def error_dir() -> Path:

@@ -9,13 +9,16 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import platformdirs
+import warnings
+from . import MovedWarning
 
 # %% auto #0
 __all__ = ['DATA_HINT', 'FETCH_HINTS', 'LOCK_FILE', 'HEAVY_MODULES', 'RUN_FILE_MAX_BYTES', 'repo_root', 'user_data_dir',
            'check_data_folder', 'find_data_dir', 'data_dir', 'fetch_hint', 'file_mode', 'atomic_file',
            'atomic_write_bytes', 'atomic_write_text', 'atomic_write_json', 'sha256_file', 'json_ready', 'FolderInUse',
            'in_use_message', 'lock_holder', 'folder_lock', 'heavy_module', 'lazy_import', 'UntrustedFileError',
-           'read_untrusted', 'read_untrusted_text', 'read_untrusted_json', 'open_untrusted', 'terminal_safe']
+           'read_untrusted', 'read_untrusted_text', 'read_untrusted_json', 'open_untrusted', 'terminal_safe',
+           'lazy_face']
 
 # %% ../nbs/00_core.ipynb #e9ebc090
 DATA_HINT = ("Get the AutoTTS replay stores with `tmas data fetch autotts` (or everything public with "
@@ -74,7 +77,7 @@ def data_dir(path: str | os.PathLike | None = None) -> Path:
 
 # %% ../nbs/00_core.ipynb #cd45ddee
 FETCH_HINTS: list = []
-"Functions `relpath -> sentence` that know the data sets; `tmas_nb.fetch` adds its `fetch_hint` here when imported."
+"Functions `relpath -> sentence` that know the data sets; `tmas_nb.data.fetch` adds its `fetch_hint` here when imported."
 
 def fetch_hint(relpath: str) -> str:
     "A sentence naming the exact `tmas data fetch …` command that provides `relpath` (a path inside the data folder)."
@@ -322,3 +325,17 @@ def terminal_safe(text, keep_newlines: bool = True) -> str:
         elif ord(ch) < 0x100: out.append(f'\\x{ord(ch):02x}')
         else: out.append(f'\\u{ord(ch):04x}')
     return ''.join(out)
+
+# %% ../nbs/00_core.ipynb #9f4d5b3d
+def lazy_face(package: str, public: dict, moved: dict | None = None):
+    "`__getattr__` and `__dir__` for a subpackage's face: a public name (name -> module) loads its module on first use; a moved name loads it too, with a MovedWarning."
+    moved = moved or {}
+    def __getattr__(name: str):
+        if name in public: return getattr(importlib.import_module(public[name]), name)
+        if name in moved:
+            warnings.warn(f"{package}.{name} moved to {moved[name]}.{name}: import it from there (the old path goes in the "
+                          "next release)", MovedWarning, stacklevel=2)
+            return getattr(importlib.import_module(moved[name]), name)
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+    def __dir__() -> list[str]: return sorted(public)
+    return __getattr__, __dir__
