@@ -31,7 +31,7 @@ ALLOWED_INNER = {
     *(('tmas_nb.data.fetch', n) for n in ('httpx', 'tqdm',)),
     *(('tmas_nb.llm.guards', n) for n in ('uvicorn',)),
     *(('tmas_nb.llm.server', n) for n in ('FastAPI', 'Request', 'Response', 'load_llm', 'serve_llamacpp',)),
-    *(('tmas_nb.autotts.evaluation', n) for n in ('has_fast', 'run_fast',)),
+    *(('tmas_nb.autotts.evaluation', n) for n in ('has_fast', 'fast_episodes',)),
     *(('tmas_nb.analysis.reporting', n) for n in ('_resolve_type', 'nbformat', 'papermill',)),
     *(('tmas_nb.sandbox', n) for n in ('bwrap_path',)),
 }

@@ -33,11 +33,17 @@ def _json_option(text, name, want):
     return v
 
 # %% ../../nbs/autotts/05b_commands.ipynb #da722a3b
+def _seq_text(d: dict) -> str:
+    "The sequential tokens of a result dict with their interval and rule, as they follow the tokens; '' without them."
+    if d.get('avg_seq_tokens') is None: return ''
+    return (f", {d['avg_seq_tokens'] / 1000:.1f}k sequential [{d['seq_ci_low'] / 1000:.1f}, {d['seq_ci_high'] / 1000:.1f}] "
+            f"({d['seq_rule']} schedule)")
+
 def _print_eval(d: dict, as_json: bool, more: str = '') -> int:
     "Print one evaluation as JSON or as one line (`more` inside the closing parenthesis); the command's exit code."
     if as_json: print(json.dumps(d))
     else: print(f"{d['controller']} on {d['store']}: accuracy {d['acc']:.2f}% [{d['ci_low']:.1f}, {d['ci_high']:.1f}], "
-                f"{d['avg_tokens'] / 1000:.1f}k tokens per question ({d['seeds']} seeds{more})")
+                f"{d['avg_tokens'] / 1000:.1f}k tokens per question{_seq_text(d)} ({d['seeds']} seeds{more})")
     return 0
 
 def _cmd_eval_file(args) -> int:

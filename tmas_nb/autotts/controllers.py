@@ -55,6 +55,7 @@ def plurality(answers):
 class Controller:
     "Base class of width–depth controllers."
     name: str = 'controller'
+    schedule = None      # how its reads overlap in time: 'parallel', 'sequential', ('windows', k); None: derived from its actions
     def run(self, env: ReplayEnv) -> str | None: raise NotImplementedError
     def params(self) -> dict: return asdict(self)
     def describe(self) -> str:
@@ -97,6 +98,7 @@ class SelfConsistency(Controller):
     "SC@k: plurality over the first k whole branches."
     k: int = param(64, lo=1, branches=True)
     name = 'sc'
+    schedule = 'parallel'
     def run(self, env):
         ids = [env.read_whole_id() for _ in range(min(self.k, env.n_available))]
         return env.store.answer(env.question, plurality(ids)) if ids else None
@@ -108,6 +110,7 @@ class ASC(Controller):
     max_samples: int = param(64, lo=1, branches=True)
     threshold: float = param(0.95, lo=0, hi=1)
     name = 'asc'
+    schedule = 'sequential'
     def run(self, env):
         ids = []
         for _ in range(min(self.max_samples, env.n_available)):
@@ -124,6 +127,8 @@ class ESC(Controller):
     max_samples: int = param(64, lo=1, branches=True)
     window: int = param(8, lo=1)
     name = 'esc'
+    @property
+    def schedule(self): return ('windows', self.window)
     def validate(self):
         check_params(self)
         if self.window > self.max_samples:   # max_samples // window windows: none at all, nothing read
@@ -160,6 +165,7 @@ class ParallelProbe(Controller):
     warm_up: int = param(15, lo=0)       # steps before any pruning
     max_steps: int = param(100, lo=1)
     name = 'pp'
+    schedule = 'parallel'
     def run(self, env):
         n = min(self.num_chains, env.n_available)
         if n == 0: return None
@@ -204,6 +210,7 @@ class CMC(Controller):
     "Confidence Momentum Controller (AutoTTS), parameterised by one scalar β."
     beta: float = param(0.5, lo=0, hi=1)
     name = 'cmc'
+    schedule = 'parallel'
 
 # %% ../../nbs/autotts/03_controllers.ipynb #cfdecc77
 @patch

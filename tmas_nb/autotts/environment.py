@@ -13,7 +13,8 @@ from fastcore.basics import patch
 from .store import ReplayStore
 
 # %% auto #0
-__all__ = ['Action', 'IllegalAction', 'BranchCeilingError', 'ceiling_message', 'Step', 'ReplayEnv']
+__all__ = ['Action', 'IllegalAction', 'BranchCeilingError', 'ceiling_message', 'Step', 'ReplayEnv', 'check_schedule',
+           'seq_tokens']
 
 # %% ../../nbs/autotts/02_environment.ipynb #a26dc918
 class Action(str, Enum):
@@ -63,6 +64,8 @@ class ReplayEnv:
     done: bool = field(init=False, default=False)
     final_answer: str | None = field(init=False, default=None)
     error: str | None = field(init=False, default=None)   # why the episode failed (a branch past max_branches)
+    starts: list = field(init=False)       # when each opened branch started, in tokens of sequential time (`seq_tokens`)
+    seen_at: int = field(init=False, default=0)   # when the latest answer the controller has seen arrived
 
     def __post_init__(self):
         q, st = self.question, self.store
@@ -73,7 +76,7 @@ class ReplayEnv:
         nb = int(st.n_branches[q])
         self.order = st.orders([self.seed])[0, q, :nb] if self.seed is not None else np.arange(nb, dtype=np.int32)
         self.depth, self.tokens_read, self.pruned, self.latest = [], [], [], []
-        self.probes_revealed, self.trace = [], []
+        self.probes_revealed, self.trace, self.starts = [], [], []
 
 # %% ../../nbs/autotts/02_environment.ipynb #e92ea1ed
 @patch
@@ -140,6 +143,7 @@ def _read_interval(self:ReplayEnv, i) -> tuple[int, int, bool]:
     if d < n: a, c = int(self.store.probes[q, b, d]), int(self.store.probe_freq[q])
     else: a, c = int(self.store.finals[q, b]), max(0, int(self.store.tokens[q, b]) - int(self.store.probe_freq[q]) * n)
     self.depth[i] = d + 1; self.tokens_read[i] += c; self.latest[i] = a
+    self.seen_at = max(self.seen_at, self.starts[i] + self.tokens_read[i])
     return a, c, d >= n
 
 # %% ../../nbs/autotts/02_environment.ipynb #b4526a54
@@ -150,6 +154,7 @@ def branch_id(self:ReplayEnv) -> tuple[int, int, bool]:
     if self.n_available <= 0: raise IllegalAction(f"BRANCH: all {len(self.order)} branches are already open")
     self._ceiling('BRANCH')
     self.depth.append(0); self.tokens_read.append(0); self.pruned.append(False); self.latest.append(-1)
+    self.starts.append(self.seen_at)
     i = self.m - 1
     a, c, fin = self._read_interval(i)
     self._log(Action.BRANCH, i, a, c, fin)
@@ -171,6 +176,7 @@ def read_whole_id(self:ReplayEnv) -> int:
     i = self.m; b = self._b(i); q = self.question
     c = int(self.store.tokens[q, b]); a = int(self.store.finals[q, b])
     self.depth.append(self._np(i) + 1); self.tokens_read.append(c); self.pruned.append(False); self.latest.append(a)
+    self.starts.append(self.seen_at); self.seen_at += c
     self._log(Action.READ_WHOLE, i, a, c, True)
     return a
 
@@ -231,3 +237,33 @@ def answer(self:ReplayEnv, a: str | None) -> bool:
 # %% ../../nbs/autotts/02_environment.ipynb #4721546e
 @patch(as_prop=True)
 def correct(self:ReplayEnv) -> bool: return self.done and self.error is None and self.final_answer == self.store.gold_answers[self.question]
+
+# %% ../../nbs/autotts/02_environment.ipynb #49b5f039
+def check_schedule(schedule) -> str:
+    "The rule `schedule` names ('parallel', 'sequential', 'windows:k', or 'derived' for None); refuses anything else."
+    if schedule is None: return 'derived'
+    if schedule in ('parallel', 'sequential'): return schedule
+    if (isinstance(schedule, (tuple, list)) and len(schedule) == 2 and schedule[0] == 'windows'
+            and isinstance(schedule[1], (int, np.integer)) and not isinstance(schedule[1], bool) and schedule[1] >= 1):
+        return f"windows:{int(schedule[1])}"
+    raise ValueError(f"schedule {schedule!r} is not valid; use 'parallel', 'sequential', ('windows', k) with k >= 1, "
+                     f"or leave it out to derive it from the actions")
+
+# %% ../../nbs/autotts/02_environment.ipynb #af23fd15
+def seq_tokens(schedule, tokens, starts=None) -> int:
+    "Sequential tokens of one episode from the tokens read per opened branch (in opening order) under `schedule`."
+    rule, t = check_schedule(schedule), [int(x) for x in tokens]
+    if not t: return 0
+    if rule == 'parallel': return max(t)
+    if rule == 'sequential': return sum(t)
+    if rule == 'derived':
+        if starts is None or len(starts) != len(t): raise ValueError("the derived schedule needs one start per branch")
+        return max(int(s) + x for s, x in zip(starts, t))
+    k = int(schedule[1])
+    return sum(max(t[j:j + k]) for j in range(0, len(t), k))
+
+# %% ../../nbs/autotts/02_environment.ipynb #675d80a9
+@patch
+def seq_tokens(self:ReplayEnv, schedule=None) -> int:
+    "Sequential tokens of this episode under `schedule` (None: derived from the actions, see `starts`)."
+    return seq_tokens(schedule, self.tokens_read, self.starts)

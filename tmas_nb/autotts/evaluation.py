@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 
 from ..core import atomic_write_bytes, data_dir as _data_dir
 from .store import ReplayStore, load_store, available_stores, MODELS, DATASETS
-from .environment import ReplayEnv
+from .environment import ReplayEnv, check_schedule
 from .controllers import Controller, parse_controller, check_fits_store
 from .results import EvalResult, bootstrap_ci
 
@@ -24,19 +24,21 @@ __all__ = ['PAPER_AIME24', 'TABLE_SUFFIXES', 'evaluate', 'table_controllers', 's
 
 # %% ../../nbs/autotts/05_evaluation.ipynb #a3fefc79
 def _episodes(controller: Controller, store: ReplayStore, seeds, progress=False):
-    "(correct [S, Q] bool, costs [S, Q]) for any controller."
-    from tmas_nb.autotts.fast import has_fast, run_fast
+    "(correct [S, Q] bool, costs [S, Q], sequential tokens [S, Q]) for any controller."
+    from tmas_nb.autotts.fast import has_fast, fast_episodes
     seeds = list(seeds)
     check_fits_store(controller, store)
     if has_fast(controller):
-        ans, cost = run_fast(controller, store, seeds)
-        return ans == store.gold[None, :], cost.astype(np.float64)
-    correct = np.zeros((len(seeds), store.n_questions), bool); cost = np.zeros((len(seeds), store.n_questions))
+        ans, cost, seq = fast_episodes(controller, store, seeds)
+        return ans == store.gold[None, :], cost.astype(np.float64), seq.astype(np.float64)
+    shape = (len(seeds), store.n_questions)
+    correct, cost, seq = np.zeros(shape, bool), np.zeros(shape), np.zeros(shape)
+    schedule = getattr(controller, 'schedule', None)
     for i, s in enumerate(tqdm(seeds, desc=f"{controller.describe()} on {store.name}", disable=not progress)):
         for q in range(store.n_questions):
             env = ReplayEnv(store, q, seed=s)
-            correct[i, q] = env.answer(controller.run(env)); cost[i, q] = env.cost
-    return correct, cost
+            correct[i, q] = env.answer(controller.run(env)); cost[i, q] = env.cost; seq[i, q] = env.seq_tokens(schedule)
+    return correct, cost, seq
 
 
 # %% ../../nbs/autotts/05_evaluation.ipynb #7fd4b8b1
@@ -46,13 +48,15 @@ def evaluate(controller: Controller | str, store: ReplayStore, seeds=range(100),
     if isinstance(controller, str): controller = parse_controller(controller)
     seeds = list(seeds)
     if not seeds: raise ValueError("seeds must not be empty")
-    correct, cost = _episodes(controller, store, seeds, progress)
+    correct, cost, seq = _episodes(controller, store, seeds, progress)
     acc_s = correct.mean(axis=1); tok_s = cost.mean(axis=1)
     pq = correct.mean(axis=0)
     lo, hi = bootstrap_ci(pq, n_boot=n_boot)
+    slo, shi = bootstrap_ci(seq.mean(axis=0), n_boot=n_boot)
     return EvalResult(controller.describe(), store.name, float(100 * acc_s.mean()), float(tok_s.mean()),
-                      100 * lo, 100 * hi, len(seeds), (100 * pq).tolist(), cost.mean(axis=0).tolist())
-
+                      100 * lo, 100 * hi, len(seeds), (100 * pq).tolist(), cost.mean(axis=0).tolist(),
+                      avg_seq_tokens=float(seq.mean()), seq_ci_low=slo, seq_ci_high=shi,
+                      seq_rule=check_schedule(getattr(controller, 'schedule', None)))
 
 # %% ../../nbs/autotts/05_evaluation.ipynb #35ccfa18
 PAPER_AIME24 = {  # model: {column: (acc %, tokens in thousands)}
@@ -144,7 +148,8 @@ def run_grid(data_dir=None, models=None, datasets=None, specs=None, seeds=range(
             for fut in as_completed([ex.submit(_grid_worker, t) for t in tasks]):
                 r = fut.result(); rows += r; bar.update(len(r))
     bar.close()
-    cols = ['model', 'dataset', 'spec', 'acc', 'avg_tokens', 'ci_low', 'ci_high', 'seeds', 'seconds']
+    cols = ['model', 'dataset', 'spec', 'acc', 'avg_tokens', 'ci_low', 'ci_high', 'avg_seq_tokens', 'seq_ci_low', 'seq_ci_high',
+            'seq_rule', 'seeds', 'seconds']
     df = pd.DataFrame(rows)[cols]
     order = {(m, d): i for i, (m, d) in enumerate(pairs)}
     df['_o'] = [order[(m, d)] * 1000 + specs.index(s) for m, d, s in zip(df.model, df.dataset, df.spec)]

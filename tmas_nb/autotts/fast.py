@@ -22,7 +22,7 @@ from .pipe import (
 # %% auto #0
 __all__ = ['ST_FRAME', 'ST_CLOSED', 'ST_IO', 'ST_TIMEOUT', 'ST_OVER_CAP', 'ST_BAD', 'ST_MARK', 'ST_KEPT', 'ST_REPLY', 'sc_kernel',
            'asc_kernel', 'esc_kernel', 'pp_kernel', 'cmc_kernel', 'authors_log_kernel', 'serve_kernel', 'serve_loop',
-           'has_fast', 'run_fast', 'check_against_reference']
+           'has_fast', 'fast_episodes', 'run_fast', 'check_against_reference']
 
 # %% ../../nbs/autotts/04_fast.ipynb #d0113d05
 @njit(cache=True, nogil=True)
@@ -58,22 +58,22 @@ def _vote(ids, n, counts):
 @njit(cache=True, nogil=True)
 def sc_kernel(k, orders, nbr, finals, tokens, n_answers):
     S, Q = orders.shape[0], orders.shape[1]
-    ans = np.full((S, Q), -1, np.int32); cost = np.zeros((S, Q), np.int64)
+    ans = np.full((S, Q), -1, np.int32); cost = np.zeros((S, Q), np.int64); seq = np.zeros((S, Q), np.int64)
     ids = np.empty(orders.shape[2], np.int32); counts = np.zeros(n_answers, np.int32)
     for s in range(S):
         for q in range(Q):
-            n = min(k, nbr[q]); c = 0
+            n = min(k, nbr[q]); c = 0; mx = 0
             for j in range(n):
-                b = orders[s, q, j]; ids[j] = finals[q, b]; c += tokens[q, b]
+                b = orders[s, q, j]; ids[j] = finals[q, b]; c += tokens[q, b]; mx = max(mx, tokens[q, b])
             if n > 0: ans[s, q] = _vote(ids, n, counts)[0]
-            cost[s, q] = c
-    return ans, cost
+            cost[s, q] = c; seq[s, q] = mx
+    return ans, cost, seq
 
 # %% ../../nbs/autotts/04_fast.ipynb #74ff885e
 @njit(cache=True, nogil=True)
 def asc_kernel(max_samples, threshold, conf_table, orders, nbr, finals, tokens, n_answers):
     S, Q = orders.shape[0], orders.shape[1]
-    ans = np.full((S, Q), -1, np.int32); cost = np.zeros((S, Q), np.int64)
+    ans = np.full((S, Q), -1, np.int32); cost = np.zeros((S, Q), np.int64); seq = np.zeros((S, Q), np.int64)
     ids = np.empty(orders.shape[2], np.int32); counts = np.zeros(n_answers, np.int32)
     for s in range(S):
         for q in range(Q):
@@ -85,54 +85,55 @@ def asc_kernel(max_samples, threshold, conf_table, orders, nbr, finals, tokens, 
                     if conf_table[v1, v2] > threshold:
                         ans[s, q] = w; done = True; break
             if not done and n > 0: ans[s, q] = _vote(ids, n, counts)[0]
-            cost[s, q] = c
-    return ans, cost
+            cost[s, q] = c; seq[s, q] = c
+    return ans, cost, seq
 
 # %% ../../nbs/autotts/04_fast.ipynb #cec8c71d
 @njit(cache=True, nogil=True)
 def esc_kernel(max_samples, window, orders, nbr, finals, tokens, n_answers):
     S, Q = orders.shape[0], orders.shape[1]
-    ans = np.full((S, Q), -1, np.int32); cost = np.zeros((S, Q), np.int64)
+    ans = np.full((S, Q), -1, np.int32); cost = np.zeros((S, Q), np.int64); seq = np.zeros((S, Q), np.int64)
     ids = np.empty(orders.shape[2], np.int32); counts = np.zeros(n_answers, np.int32)
     for s in range(S):
         for q in range(Q):
-            n = 0; c = 0; done = False
+            n = 0; c = 0; done = False; sq = 0
             for w in range(max_samples // window):
-                start = n
+                start = n; wm = 0
                 for _ in range(window):
                     if n >= nbr[q]: break
-                    b = orders[s, q, n]; ids[n] = finals[q, b]; c += tokens[q, b]; n += 1
+                    b = orders[s, q, n]; ids[n] = finals[q, b]; c += tokens[q, b]; wm = max(wm, tokens[q, b]); n += 1
                 if n == start: continue
+                sq += wm
                 same = True
                 for j in range(start + 1, n):
                     if ids[j] != ids[start]: same = False; break
                 if same:
                     ans[s, q] = ids[start]; done = True; break
             if not done and n > 0: ans[s, q] = _vote(ids, n, counts)[0]
-            cost[s, q] = c
-    return ans, cost
+            cost[s, q] = c; seq[s, q] = sq
+    return ans, cost, seq
 
 # %% ../../nbs/autotts/04_fast.ipynb #06627ab4
 @njit(cache=True, nogil=True)
 def pp_kernel(num_chains, T, prune_patience, warm_up, max_steps, orders, nbr, probes, n_probes, finals, tokens, freq, n_answers):
     S, Q, B = orders.shape[0], orders.shape[1], orders.shape[2]
-    ans = np.full((S, Q), -1, np.int32); cost = np.zeros((S, Q), np.int64)
+    ans = np.full((S, Q), -1, np.int32); cost = np.zeros((S, Q), np.int64); seq = np.zeros((S, Q), np.int64)
     counts = np.zeros(n_answers, np.int32)
     latest = np.empty(B, np.int32); depth = np.empty(B, np.int32); fin = np.empty(B, np.bool_)
-    pruned = np.empty(B, np.bool_); off = np.empty(B, np.int32); ids = np.empty(B, np.int32)
+    pruned = np.empty(B, np.bool_); off = np.empty(B, np.int32); ids = np.empty(B, np.int32); tok = np.empty(B, np.int64)
     for s in range(S):
         for q in range(Q):
             n = min(num_chains, nbr[q]); c = 0
             if n == 0: continue
             for i in range(n):
                 a, ci, f = _read(q, orders[s, q, i], 0, probes, n_probes, finals, tokens, freq)
-                latest[i] = a; depth[i] = 1; fin[i] = f; pruned[i] = False; off[i] = 0; c += ci
+                latest[i] = a; depth[i] = 1; fin[i] = f; pruned[i] = False; off[i] = 0; c += ci; tok[i] = ci
             prev = -1; stable = 0
             for step in range(max_steps):
                 for i in range(n):
                     if not pruned[i] and not fin[i]:
                         a, ci, f = _read(q, orders[s, q, i], depth[i], probes, n_probes, finals, tokens, freq)
-                        latest[i] = a; depth[i] += 1; fin[i] = f; c += ci
+                        latest[i] = a; depth[i] += 1; fin[i] = f; c += ci; tok[i] += ci
                 m = 0
                 for i in range(n):
                     if not pruned[i]: ids[m] = latest[i]; m += 1
@@ -160,8 +161,8 @@ def pp_kernel(num_chains, T, prune_patience, warm_up, max_steps, orders, nbr, pr
                 for i in range(n):
                     if not (fin[i] or pruned[i]): alldone = False; break
                 if alldone: break
-            ans[s, q] = prev; cost[s, q] = c
-    return ans, cost
+            ans[s, q] = prev; cost[s, q] = c; seq[s, q] = tok[:n].max()
+    return ans, cost, seq
 
 # %% ../../nbs/autotts/04_fast.ipynb #873dafa7
 @njit(cache=True, nogil=True)
@@ -175,17 +176,17 @@ def _pool_add(a, distinct, nd, counts):
 def cmc_kernel(n_init, max_branch, warm_up, patience, T_ema, alpha, conf_thresh, slack, trend_thresh, burst_aligned,
                widen_burst, min_complete, max_rounds, conf_table, orders, nbr, probes, n_probes, finals, tokens, freq, n_answers):
     S, Q, B = orders.shape[0], orders.shape[1], orders.shape[2]
-    ans = np.full((S, Q), -1, np.int32); cost = np.zeros((S, Q), np.int64)
+    ans = np.full((S, Q), -1, np.int32); cost = np.zeros((S, Q), np.int64); seq = np.zeros((S, Q), np.int64)
     counts = np.zeros(n_answers, np.int32); distinct = np.empty(n_answers, np.int32); tmp = np.zeros(n_answers, np.int32)
     latest = np.empty(B, np.int32); depth = np.empty(B, np.int32); fin = np.empty(B, np.bool_); gone = np.empty(B, np.bool_)
-    reads = np.empty(B, np.int32); dis = np.empty(B, np.int32); live = np.empty(B, np.int32); ids = np.empty(B, np.int32)
+    reads = np.empty(B, np.int32); dis = np.empty(B, np.int32); live = np.empty(B, np.int32); ids = np.empty(B, np.int32); tok = np.empty(B, np.int64)
     window = np.empty(T_ema + 1, np.float64)
     for s in range(S):
         for q in range(Q):
             c = 0; m = 0; nd = 0; npool = 0
             for _ in range(min(n_init, nbr[q])):
                 a, ci, f = _read(q, orders[s, q, m], 0, probes, n_probes, finals, tokens, freq)
-                latest[m] = a; depth[m] = 1; fin[m] = f; gone[m] = False; reads[m] = 0; dis[m] = 0; c += ci; m += 1
+                latest[m] = a; depth[m] = 1; fin[m] = f; gone[m] = False; reads[m] = 0; dis[m] = 0; c += ci; tok[m] = ci; m += 1
                 if f: nd = _pool_add(a, distinct, nd, counts); npool += 1
             if m == 0:
                 continue
@@ -229,7 +230,7 @@ def cmc_kernel(n_init, max_branch, warm_up, patience, T_ema, alpha, conf_thresh,
                     for _ in range(steps):
                         if fin[i]: break
                         a, ci, f = _read(q, orders[s, q, i], depth[i], probes, n_probes, finals, tokens, freq)
-                        latest[i] = a; depth[i] += 1; fin[i] = f; reads[i] += 1; c += ci
+                        latest[i] = a; depth[i] += 1; fin[i] = f; reads[i] += 1; c += ci; tok[i] += ci
                         if f: nd = _pool_add(a, distinct, nd, counts); npool += 1
                 winner, v1, v2 = _top_two(distinct, nd, counts)
                 conf = conf_table[v1, v2] if v1 > 0 else 0.0
@@ -246,7 +247,7 @@ def cmc_kernel(n_init, max_branch, warm_up, patience, T_ema, alpha, conf_thresh,
                     for _ in range(widen_burst):
                         if m >= max_branch or m >= nbr[q]: break
                         a, ci, f = _read(q, orders[s, q, m], 0, probes, n_probes, finals, tokens, freq)
-                        latest[m] = a; depth[m] = 1; fin[m] = f; gone[m] = False; reads[m] = 0; dis[m] = 0; c += ci; m += 1
+                        latest[m] = a; depth[m] = 1; fin[m] = f; gone[m] = False; reads[m] = 0; dis[m] = 0; c += ci; tok[m] = ci; m += 1
                         if f: nd = _pool_add(a, distinct, nd, counts); npool += 1
             if result == -2:
                 result = _top_two(distinct, nd, counts)[0]
@@ -255,9 +256,9 @@ def cmc_kernel(n_init, max_branch, warm_up, patience, T_ema, alpha, conf_thresh,
                     for i in range(m):
                         if not gone[i]: ids[k] = latest[i]; k += 1
                     result = _vote(ids, k, tmp)[0] if k > 0 else -1
-            ans[s, q] = result; cost[s, q] = c
+            ans[s, q] = result; cost[s, q] = c; seq[s, q] = tok[:m].max()
             for j in range(nd): counts[distinct[j]] = 0
-    return ans, cost
+    return ans, cost, seq
 
 # %% ../../nbs/autotts/04_fast.ipynb #8c7a4c0c
 @njit(cache=True, nogil=True)
@@ -551,8 +552,8 @@ def has_fast(controller: Controller) -> bool:
     "Whether `controller` has a compiled twin."
     return type(controller) in (SelfConsistency, ASC, ESC, ParallelProbe, CMC)
 
-def run_fast(controller: Controller, store: ReplayStore, seeds=range(100), orders=None) -> tuple[np.ndarray, np.ndarray]:
-    "Answers `[S, Q]` (ids) and costs `[S, Q]` of a built-in controller on every seed × question."
+def fast_episodes(controller: Controller, store: ReplayStore, seeds=range(100), orders=None) -> tuple:
+    "Answers `[S, Q]` (ids), costs `[S, Q]` and sequential tokens `[S, Q]` of a built-in controller on every seed × question."
     check_fits_store(controller, store)
     o = store.orders(seeds) if orders is None else orders
     a = _arrays(store); t = type(controller)
@@ -570,17 +571,23 @@ def run_fast(controller: Controller, store: ReplayStore, seeds=range(100), order
                           p['min_complete'], p['max_rounds'], beta_confidence_table(), *tail)
     raise TypeError(f"no compiled kernel for {type(controller).__name__}; evaluate it with the reference path")
 
+def run_fast(controller: Controller, store: ReplayStore, seeds=range(100), orders=None) -> tuple[np.ndarray, np.ndarray]:
+    "Answers `[S, Q]` (ids) and costs `[S, Q]` of a built-in controller on every seed × question."
+    return fast_episodes(controller, store, seeds, orders)[:2]
+
 # %% ../../nbs/autotts/04_fast.ipynb #b097f293
 def check_against_reference(controller, store, seeds=range(3)) -> int:
-    "Run both paths on every seed × question; raise on the first disagreement; returns the number of episodes compared."
-    ans, cost = run_fast(controller, store, seeds)
+    "Run both paths on every seed × question; raise on the first disagreement (answer, tokens, sequential tokens); returns the episodes compared."
+    ans, cost, seq = fast_episodes(controller, store, seeds)
     n = 0
     for i, s in enumerate(seeds):
         for q in range(store.n_questions):
             env = ReplayEnv(store, q, seed=s)
             ref = controller.run(env)
             got = store.answer(q, int(ans[i, q]))
-            if (ref, env.cost) != (got, int(cost[i, q])):
-                raise AssertionError(f"{controller.describe()} seed {s} question {q}: reference ({ref}, {env.cost}) vs compiled ({got}, {int(cost[i, q])})")
+            want, have = (ref, env.cost, env.seq_tokens(controller.schedule)), (got, int(cost[i, q]), int(seq[i, q]))
+            if want != have:
+                raise AssertionError(f"{controller.describe()} seed {s} question {q}: reference {want} vs compiled {have} "
+                                     f"(answer, tokens, sequential tokens)")
             n += 1
     return n

@@ -41,6 +41,10 @@ class EvalResult:
     trace_logs: list | None = field(default=None, repr=False)
     trace_errors: list | None = None     # with kept logs: per question, why that episode failed (the ceiling), or None
     trace_own: list | None = field(default=None, repr=False)   # with kept logs: per question, the controller's own trace (get_last_trace), or None
+    avg_seq_tokens: float | None = None  # sequential tokens per question (latency: the longest chain of reads), mean over seeds
+    seq_ci_low: float | None = None      # bootstrap 95% interval over questions of the sequential tokens
+    seq_ci_high: float | None = None
+    seq_rule: str | None = None          # the schedule that gave them: 'parallel', 'sequential', 'windows:k' or 'derived'
 
 # %% ../../nbs/autotts/05a_results.ipynb #2a6ce02d
 _FILE_ONLY = ('error', 'api', 'sandbox', 'limits', 'eval_path', 'max_branches', 'over_max_branches', 'unrevealed', 'seconds')
@@ -50,7 +54,8 @@ def _keys(r: EvalResult, per_question: bool | None) -> list:
     "The keys of `r`'s dict, in the order they are written."
     file = r.sandbox is not None
     if per_question is None: per_question = file
-    return (['controller', 'store', 'acc', 'avg_tokens', 'ci_low', 'ci_high'] + (['acc_std'] if file else []) + ['seeds']
+    seq = ['avg_seq_tokens', 'seq_ci_low', 'seq_ci_high', 'seq_rule'] if r.avg_seq_tokens is not None else []
+    return (['controller', 'store', 'acc', 'avg_tokens', 'ci_low', 'ci_high'] + seq + (['acc_std'] if file else []) + ['seeds']
             + (list(_FILE_ONLY) if file else []) + (['per_question_acc', 'per_question_tokens'] if per_question else [])
             + (list(_TRACE) if r.trace_seed is not None else []))
 
