@@ -66,3 +66,38 @@ def test_grid_and_cli_carry_sequential_tokens(data_root):
     d = json.loads(out.stdout)
     assert d['seq_rule'] == 'windows:8' and round(d['avg_seq_tokens'] / 1000, 1) == 192.9
     assert d['seq_ci_low'] < d['avg_seq_tokens'] < d['seq_ci_high']
+
+
+# ---- SC@64 + SAC -----------------------------------------------------------------------------------------------
+# Two questions, four branches each. Question 0: branches 0 and 1 settle early on the right answer '5' and would change
+# their mind later (so reading them whole would vote wrong); branches 2 and 3 are read to their end and say '9'.
+SAC_RECORDS = [
+    {'question': 'q0', 'gold_answer': '5', 'probe_freq': 100, 'final_answers_trace': [],
+     'each_branch': [[['5', '5', '5', '9'], 1000, '9'], [['2', '5', '5', '5', '9'], 1000, '9'],
+                     [['9', '2'], 300, '9'], [['5', '9'], 250, '9']]},
+    {'question': 'q1', 'gold_answer': '4', 'probe_freq': 100, 'final_answers_trace': [],
+     'each_branch': [[['4', '4', '4'], 400, '4'], [[], 50, '1'], [['1', '1', '1', '1'], 900, '4'], [['4'], 150, '4']]},
+]
+
+
+def test_sac_on_a_hand_built_store():
+    from tmas_nb.autotts.controllers import parse_controller, SAC
+    st = ReplayStore.from_records(SAC_RECORDS, name='sac-toy')
+    sac = parse_controller('sac:n=4,streak=3')
+    assert sac == SAC(4, 3) and sac.schedule == 'parallel'
+    env = ReplayEnv(st, 0, seed=None)
+    # branch 0 stops at its 3rd '5' (300); 1 at its 3rd '5' after a '2' (400); 2 reads to its end '9' (300); 3 to '9' (250)
+    assert sac.run(env) == '5' and env.tokens_read == [300, 400, 300, 250] and env.seq_tokens(sac.schedule) == 400
+    env = ReplayEnv(st, 1, seed=None)
+    # '4' (300 tokens), '1' (whole, 50), '1' after three '1's (300), '4' (150): a tie, the answer seen first wins
+    assert sac.run(env) == '4' and env.tokens_read == [300, 50, 300, 150]
+    assert SelfConsistency(4).run(ReplayEnv(st, 0, seed=None)) == '9'      # reading whole branches votes wrong here
+    check_against_reference(sac, st, seeds=range(10))
+    r = evaluate('sac:n=4,streak=3', st, seeds=range(10))
+    assert r.seq_rule == 'parallel' and r.avg_seq_tokens <= r.avg_tokens
+
+
+def test_sac_release_parameters(data_root):
+    "The paper's SC@64 + SAC row for Qwen3-0.6B on AIME24: 19.5 % at 26.8k sequential and 820.7k tokens."
+    r = evaluate('sac:n=64,streak=14', load_store('Qwen3-0.6B', 'aime24', data_root))
+    assert (round(r.acc, 1), round(r.avg_seq_tokens / 1000, 1), round(r.avg_tokens / 1000, 1)) == (19.5, 26.8, 820.7)

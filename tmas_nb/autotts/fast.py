@@ -11,7 +11,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .controllers import (
-    ASC, CMC, ESC, ParallelProbe, SelfConsistency, beta_confidence_table, cmc_schedule, check_fits_store, Controller)
+    ASC, CMC, ESC, SAC, ParallelProbe, SelfConsistency, beta_confidence_table, cmc_schedule, check_fits_store, Controller)
 from .environment import ReplayEnv
 from .store import ReplayStore
 from .authors_api import N_CODE, F_CODE, C_CODE
@@ -21,8 +21,8 @@ from .pipe import (
 
 # %% auto #0
 __all__ = ['ST_FRAME', 'ST_CLOSED', 'ST_IO', 'ST_TIMEOUT', 'ST_OVER_CAP', 'ST_BAD', 'ST_MARK', 'ST_KEPT', 'ST_REPLY', 'sc_kernel',
-           'asc_kernel', 'esc_kernel', 'pp_kernel', 'cmc_kernel', 'authors_log_kernel', 'serve_kernel', 'serve_loop',
-           'has_fast', 'fast_episodes', 'run_fast', 'check_against_reference']
+           'asc_kernel', 'esc_kernel', 'pp_kernel', 'sac_kernel', 'cmc_kernel', 'authors_log_kernel', 'serve_kernel',
+           'serve_loop', 'has_fast', 'fast_episodes', 'run_fast', 'check_against_reference']
 
 # %% ../../nbs/autotts/04_fast.ipynb #d0113d05
 @njit(cache=True, nogil=True)
@@ -162,6 +162,31 @@ def pp_kernel(num_chains, T, prune_patience, warm_up, max_steps, orders, nbr, pr
                     if not (fin[i] or pruned[i]): alldone = False; break
                 if alldone: break
             ans[s, q] = prev; cost[s, q] = c; seq[s, q] = tok[:n].max()
+    return ans, cost, seq
+
+# %% ../../nbs/autotts/04_fast.ipynb #68caa2fb
+@njit(cache=True, nogil=True)
+def sac_kernel(n_branches, streak, orders, nbr, probes, n_probes, finals, tokens, freq, n_answers):
+    S, Q = orders.shape[0], orders.shape[1]
+    ans = np.full((S, Q), -1, np.int32); cost = np.zeros((S, Q), np.int64); seq = np.zeros((S, Q), np.int64)
+    ids = np.empty(orders.shape[2], np.int32); counts = np.zeros(n_answers, np.int32)
+    for s in range(S):
+        for q in range(Q):
+            n = min(n_branches, nbr[q]); c = 0; mx = 0
+            for j in range(n):
+                b = orders[s, q, j]
+                a, t, f = _read(q, b, 0, probes, n_probes, finals, tokens, freq)
+                d = 1; run = 1
+                while not f and streak > 1:
+                    a2, ci, f = _read(q, b, d, probes, n_probes, finals, tokens, freq)
+                    d += 1; t += ci
+                    run = run + 1 if a2 == a else 1
+                    a = a2
+                    if run >= streak: break
+                ids[j] = a; c += t
+                if t > mx: mx = t
+            if n > 0: ans[s, q] = _vote(ids, n, counts)[0]
+            cost[s, q] = c; seq[s, q] = mx
     return ans, cost, seq
 
 # %% ../../nbs/autotts/04_fast.ipynb #873dafa7
@@ -550,7 +575,7 @@ def _arrays(store: ReplayStore):
 
 def has_fast(controller: Controller) -> bool:
     "Whether `controller` has a compiled twin."
-    return type(controller) in (SelfConsistency, ASC, ESC, ParallelProbe, CMC)
+    return type(controller) in (SelfConsistency, ASC, ESC, ParallelProbe, CMC, SAC)
 
 def fast_episodes(controller: Controller, store: ReplayStore, seeds=range(100), orders=None) -> tuple:
     "Answers `[S, Q]` (ids), costs `[S, Q]` and sequential tokens `[S, Q]` of a built-in controller on every seed × question."
@@ -561,6 +586,7 @@ def fast_episodes(controller: Controller, store: ReplayStore, seeds=range(100), 
     if t is ASC: return asc_kernel(int(controller.max_samples), float(controller.threshold), beta_confidence_table(), o, a['nbr'], a['finals'], a['tokens'], a['n_answers'])
     if t is ESC: return esc_kernel(int(controller.max_samples), int(controller.window), o, a['nbr'], a['finals'], a['tokens'], a['n_answers'])
     tail = (o, a['nbr'], a['probes'], a['n_probes'], a['finals'], a['tokens'], a['freq'], a['n_answers'])
+    if t is SAC: return sac_kernel(int(controller.n), int(controller.streak), *tail)
     if t is ParallelProbe:
         c = controller
         return pp_kernel(int(c.num_chains), int(c.T), int(c.prune_patience), int(c.warm_up), int(c.max_steps), *tail)
