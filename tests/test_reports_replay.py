@@ -39,3 +39,24 @@ def test_replay_benchmark_report(data_root, tmp_path):
     assert s['grid_wall_s'] > 0 and s['baseline_one_store_s'] > 0 and s['speedup_vs_baseline_estimate'] > 1
     per = pd.read_csv(d / 'per_controller.csv')
     assert len(per) == 34 and (per.speedup > 0).all()
+
+
+def test_parallel_probe_table_report(data_root, tmp_path):
+    "The Parallel-Probe paper's main table on all 12 stores: 178 of 180 printed cells equal ours (180 under the release's rounding)."
+    d = run_report('parallel_probe_table', tmp_path, dict(data_dir=str(data_root), seeds=100, jobs=2), progress=False)
+    s = json.loads((d / 'summary.json').read_text())
+    assert (s['stores'], s['cells'], s['equal'], s['equal_release_rounding']) == (12, 180, 178, 180)
+    assert {(r['model'], r['dataset'], r['method'], r['quantity']) for r in s['disagreements']} == {
+        ('Qwen3-8B', 'aime25', 'ASC', 'seq_tokens_k'), ('Qwen3-8B', 'aime25', 'ASC', 'tokens_k')}
+    t = pd.read_csv(d / 'parallel_probe_table.csv')
+    assert len(t) == 180 and set(t.method) == {'SC@64', 'ASC', 'ESC', 'SAC', 'Parallel-Probe'}
+    ci = t[t.quantity != 'tokens_k']
+    assert (ci.ours_low <= ci.ours + 1e-9).all() and (ci.ours <= ci.ours_high + 1e-9).all()
+    assert 'arXiv:2602.03845' in s['source'] and '| SAC' in (d / 'parallel_probe_table.md').read_text()
+
+
+def test_parallel_probe_table_report_on_some_stores(data_root, tmp_path):
+    d = run_report('parallel_probe_table', tmp_path, dict(data_dir=str(data_root), models=['Qwen3-0.6B'], datasets=['aime24'],
+                                                         seeds=100, jobs=1), progress=False)
+    s = json.loads((d / 'summary.json').read_text())
+    assert (s['stores'], s['cells'], s['equal']) == (1, 15, 15)

@@ -82,6 +82,7 @@ REPORT_INPUTS = {  # report: (input, run methods it needs / the path parameter i
     'autotts_table': ('data', None, 'tmas data fetch autotts (or set TMAS_DATA_DIR)'),
     'autotts_scaling': ('data', None, 'tmas data fetch autotts (or set TMAS_DATA_DIR)'),
     'replay_benchmark': ('data', None, 'tmas data fetch autotts (or set TMAS_DATA_DIR)'),
+    'parallel_probe_table': ('data', None, 'tmas data fetch autotts (or set TMAS_DATA_DIR)'),
     'compute': ('runs', None, _RUN_HINT.format(method='tmas')),
     'tmas_iterations': ('runs', None, _RUN_HINT.format(method='tmas')),
     'tmas_ablation': ('runs', {'tmas'}, _RUN_HINT.format(method='tmas')),

@@ -19,7 +19,8 @@ from .controllers import Controller, parse_controller, check_fits_store
 from .results import EvalResult, bootstrap_ci
 
 # %% auto #0
-__all__ = ['PAPER_AIME24', 'TABLE_SUFFIXES', 'evaluate', 'table_controllers', 'standard_grid', 'load_reference', 'canonical_spec',
+__all__ = ['PAPER_AIME24', 'PARALLEL_PROBE_TABLE_SOURCE', 'PARALLEL_PROBE_TABLE', 'TABLE_SUFFIXES', 'evaluate',
+           'table_controllers', 'standard_grid', 'parallel_probe_controllers', 'load_reference', 'canonical_spec',
            'table_path', 'run_grid', 'write_table', 'trace_episodes']
 
 # %% ../../nbs/autotts/05_evaluation.ipynb #a3fefc79
@@ -79,6 +80,34 @@ def standard_grid() -> list[str]:
             [f'sc:k={k}' for k in (1, 2, 4, 8, 16, 32, 64)] +
             [f'pp:num_chains={k}' for k in (2, 4, 8, 16, 32, 64)] +
             [f'cmc:beta={b / 10:.1f}' for b in range(11)])
+
+# %% ../../nbs/autotts/05_evaluation.ipynb #b37a6c25
+# The Parallel-Probe paper's main table (Zheng et al., arXiv:2602.03845; as released in zhengkid/Parallel-Probe
+# evaluation/table.tex at aaa4c72): model: {dataset: {row: (acc %, sequential tokens k, tokens k)}}
+PARALLEL_PROBE_TABLE_SOURCE = 'Parallel-Probe paper (arXiv:2602.03845), main table (zhengkid/Parallel-Probe evaluation/table.tex @ aaa4c72)'
+PARALLEL_PROBE_TABLE = {
+    'Qwen3-0.6B': {
+        'aime24': {'SC@64': (21.4, 32.7, 1008.6), 'ASC': (21.4, 805.5, 805.5), 'ESC': (21.4, 192.9, 986.7), 'SAC': (19.5, 26.8, 820.7), 'Parallel-Probe': (21.8, 20.8, 773.8)},
+        'aime25': {'SC@64': (28.9, 31.1, 890.5), 'ASC': (28.9, 653.8, 653.8), 'ESC': (28.9, 171.8, 868.8), 'SAC': (25.4, 27.2, 819.4), 'Parallel-Probe': (29.7, 19.6, 697.8)},
+        'hmmt25': {'SC@64': (18.1, 31.0, 937.8), 'ASC': (18.1, 580.8, 580.8), 'ESC': (18.1, 179.5, 923.9), 'SAC': (17.4, 26.3, 808.2), 'Parallel-Probe': (18.5, 20.5, 734.5)}},
+    'Qwen3-1.7B': {
+        'aime24': {'SC@64': (72.5, 31.4, 1025.8), 'ASC': (72.3, 482.6, 482.6), 'ESC': (72.5, 170.4, 909.2), 'SAC': (64.5, 27.3, 868.2), 'Parallel-Probe': (66.0, 19.6, 745.4)},
+        'aime25': {'SC@64': (44.4, 30.0, 1054.1), 'ASC': (44.4, 600.9, 600.9), 'ESC': (44.4, 160.6, 913.8), 'SAC': (40.0, 26.4, 909.0), 'Parallel-Probe': (44.4, 20.6, 776.6)},
+        'hmmt25': {'SC@64': (24.2, 32.4, 1132.9), 'ASC': (24.2, 586.3, 586.3), 'ESC': (24.2, 174.9, 1014.2), 'SAC': (21.4, 26.9, 889.1), 'Parallel-Probe': (20.3, 22.4, 859.7)}},
+    'Qwen3-4B': {
+        'aime24': {'SC@64': (80.0, 29.3, 886.8), 'ASC': (80.0, 214.2, 214.2), 'ESC': (80.0, 98.9, 528.9), 'SAC': (80.0, 24.8, 782.2), 'Parallel-Probe': (79.7, 19.2, 688.9)},
+        'aime25': {'SC@64': (76.6, 30.5, 1088.1), 'ASC': (76.6, 325.1, 325.1), 'ESC': (76.6, 137.0, 793.3), 'SAC': (73.3, 27.9, 995.4), 'Parallel-Probe': (76.1, 22.2, 806.0)},
+        'hmmt25': {'SC@64': (43.6, 33.9, 1168.3), 'ASC': (43.6, 487.3, 487.3), 'ESC': (43.6, 174.0, 990.2), 'SAC': (41.9, 27.1, 863.0), 'Parallel-Probe': (44.7, 21.5, 872.3)}},
+    'Qwen3-8B': {
+        'aime24': {'SC@64': (80.4, 30.1, 910.8), 'ASC': (80.4, 226.0, 226.0), 'ESC': (80.4, 84.7, 459.4), 'SAC': (76.7, 25.6, 773.4), 'Parallel-Probe': (81.5, 20.3, 730.8)},
+        'aime25': {'SC@64': (76.7, 30.7, 1124.4), 'ASC': (76.7, 406.2, 406.2), 'ESC': (76.7, 132.4, 793.1), 'SAC': (70.2, 28.1, 998.5), 'Parallel-Probe': (76.9, 21.9, 846.7)},
+        'hmmt25': {'SC@64': (48.9, 34.8, 1267.0), 'ASC': (48.8, 565.1, 565.1), 'ESC': (48.9, 184.5, 1062.1), 'SAC': (42.7, 28.5, 896.8), 'Parallel-Probe': (47.1, 22.4, 897.2)}},
+}
+
+def parallel_probe_controllers() -> dict[str, str]:
+    "The controller spec behind each row of the Parallel-Probe paper's main table (every method at 64 branches)."
+    return {'SC@64': 'sc:k=64', 'ASC': 'asc:max_samples=64,threshold=0.95', 'ESC': 'esc:max_samples=64,window=8',
+            'SAC': 'sac:n=64,streak=14', 'Parallel-Probe': 'pp:num_chains=64'}
 
 # %% ../../nbs/autotts/05_evaluation.ipynb #768f703b
 def _reference_spec(method: str, config: str) -> str | None:
