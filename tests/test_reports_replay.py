@@ -11,7 +11,7 @@ def test_autotts_table_report(data_root, tmp_path):
     d = run_report('autotts_table', tmp_path, dict(data_dir=str(data_root), models=['Qwen3-4B', 'Qwen3-8B'],
                                                    datasets=['aime24'], seeds=100, jobs=1), progress=False)
     t = pd.read_csv(d / 'autotts_table.csv')
-    assert len(t) == 12 and t.acc.between(0, 100).all()
+    assert len(t) == 12 and t.acc.between(0, 100).all() and (t.seq_tokens_k <= t.tokens_k).all()
     s = json.loads((d / 'summary.json').read_text())
     assert s['cells'] == 12 and s['matching'] == 12
     assert '| Qwen3-4B' in (d / 'autotts_table.md').read_text()

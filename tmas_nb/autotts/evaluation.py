@@ -49,6 +49,7 @@ def evaluate(controller: Controller | str, store: ReplayStore, seeds=range(100),
     if isinstance(controller, str): controller = parse_controller(controller)
     seeds = list(seeds)
     if not seeds: raise ValueError("seeds must not be empty")
+    rule = check_schedule(getattr(controller, 'schedule', None))   # a bad declared schedule is refused before any episode
     correct, cost, seq = _episodes(controller, store, seeds, progress)
     acc_s = correct.mean(axis=1); tok_s = cost.mean(axis=1)
     pq = correct.mean(axis=0)
@@ -57,7 +58,7 @@ def evaluate(controller: Controller | str, store: ReplayStore, seeds=range(100),
     return EvalResult(controller.describe(), store.name, float(100 * acc_s.mean()), float(tok_s.mean()),
                       100 * lo, 100 * hi, len(seeds), (100 * pq).tolist(), cost.mean(axis=0).tolist(),
                       avg_seq_tokens=float(seq.mean()), seq_ci_low=slo, seq_ci_high=shi,
-                      seq_rule=check_schedule(getattr(controller, 'schedule', None)))
+                      seq_rule=rule)
 
 # %% ../../nbs/autotts/05_evaluation.ipynb #35ccfa18
 PAPER_AIME24 = {  # model: {column: (acc %, tokens in thousands)}
