@@ -100,9 +100,9 @@ def open_controller(c: ControllerConfig, sandbox: SandboxSettings | None = None)
 
 # %% ../../nbs/autotts/08c_live_run.ipynb #c239d5f0
 def opening_width(ctrl, branches: int) -> int:
-    "Branches a built-in controller opens together: SC its k, ESC a window, Parallel-Probe its chains, CMC its first branches; 1 otherwise."
+    "Branches a built-in controller opens together: SC and SAC their branches, ESC a window, Parallel-Probe its chains, CMC its first branches; 1 otherwise."
     name = getattr(ctrl, 'name', None)
-    w = {'sc': lambda: ctrl.k, 'esc': lambda: ctrl.window, 'pp': lambda: ctrl.num_chains,
+    w = {'sc': lambda: ctrl.k, 'esc': lambda: ctrl.window, 'pp': lambda: ctrl.num_chains, 'sac': lambda: ctrl.n,
          'cmc': lambda: cmc_schedule(ctrl.beta)['n_init']}.get(name, lambda: 1)() if name in CONTROLLERS else 1
     return max(1, min(int(w), branches))
 
