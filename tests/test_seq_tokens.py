@@ -101,3 +101,92 @@ def test_sac_release_parameters(data_root):
     "The paper's SC@64 + SAC row for Qwen3-0.6B on AIME24: 19.5 % at 26.8k sequential and 820.7k tokens."
     r = evaluate('sac:n=64,streak=14', load_store('Qwen3-0.6B', 'aime24', data_root))
     assert (round(r.acc, 1), round(r.avg_seq_tokens / 1000, 1), round(r.avg_tokens / 1000, 1)) == (19.5, 26.8, 820.7)
+
+
+# ---- controller files (the safe path: the parent serves every action and counts) ---------------------------------
+FILE_SRC = '''
+from collections import Counter
+class EightWhole:
+    schedule = 'parallel'
+    def run(self, env):
+        ids = [env.read_whole_id() for _ in range(min(8, env.n_available))]
+        return env.store.answer(env.question, Counter(ids).most_common(1)[0][0])
+'''
+
+
+@pytest.mark.parametrize('declared,rule', [("    schedule = 'parallel'\n", 'parallel'), ("    schedule = ('windows', 4)\n", 'windows:4'),
+                                           ('', 'derived')])
+def test_file_schedule_declared_or_derived(data_root, tmp_path, declared, rule):
+    from tmas_nb.autotts.files import evaluate_file
+    f = tmp_path / 'eight.py'
+    f.write_text(FILE_SRC.replace("    schedule = 'parallel'\n", declared))
+    st = load_store('Qwen3-0.6B', 'aime24', data_root)
+    r = evaluate_file(str(f), 'EightWhole', {}, st, seeds=range(3))
+    assert r.error is None and r.seq_rule == rule and r.seq_ci_low <= r.avg_seq_tokens <= r.seq_ci_high
+    schedule = {'parallel': 'parallel', 'windows:4': ('windows', 4), 'derived': None}[rule]
+    ref = []
+    for s in range(3):
+        for q in range(st.n_questions):
+            env = ReplayEnv(st, q, seed=s); [env.read_whole_id() for _ in range(8)]; ref.append(env.seq_tokens(schedule))
+    assert r.avg_seq_tokens == pytest.approx(sum(ref) / len(ref))
+    if rule == 'derived': assert r.avg_seq_tokens == pytest.approx(r.avg_tokens)   # whole reads seen one by one: in sequence
+
+
+@pytest.mark.parametrize('name', ['ours_cmc', 'authors_sc'])
+def test_file_derived_schedule_matches_the_environment(data_root, tmp_path, name):
+    "A file subclassing a built-in takes its schedule, and the parent's count equals the in-process one; a plain file's is derived."
+    from tmas_nb.autotts.files import evaluate_file
+    from tmas_nb.autotts.authors_api import example_controller
+    cls, src = example_controller(name)
+    (tmp_path / f'{name}.py').write_text(src)
+    st = load_store('Qwen3-1.7B', 'hmmt25', data_root)
+    r = evaluate_file(str(tmp_path / f'{name}.py'), cls, {}, st, seeds=range(2))
+    assert r.error is None and r.seq_rule == {'ours_cmc': 'parallel', 'authors_sc': 'derived'}[name]
+    assert 0 < r.avg_seq_tokens <= r.avg_tokens
+    if name == 'ours_cmc':
+        ns = {}; exec(compile(src, name, 'exec'), ns)
+        ctrl = ns[cls]()
+        ref = evaluate(ctrl, st, seeds=range(2))
+        assert ref.seq_rule == 'parallel' and r.avg_seq_tokens == pytest.approx(ref.avg_seq_tokens)
+        assert r.avg_tokens == pytest.approx(ref.avg_tokens)
+
+
+def test_file_with_a_bad_schedule_fails_in_one_line(data_root, tmp_path):
+    from tmas_nb.autotts.files import evaluate_file
+    f = tmp_path / 'bad.py'
+    f.write_text(FILE_SRC.replace("'parallel'", "'whenever'"))
+    r = evaluate_file(str(f), 'EightWhole', {}, ReplayStore.from_records([TOY], name='toy'), seeds=[0])
+    assert r.error.startswith("bad.py: class EightWhole: schedule 'whenever' is not valid")
+
+
+DERIVED_SRC = '''
+class OpenAdvance:
+    def run(self, env):
+        got = [env.branch_id() for _ in range(min(3, env.n_available))]
+        last = None
+        for i, a, fin in got:
+            for _ in range(2):
+                if fin: break
+                a, fin = env.advance_id(i)
+            last = a
+        env.probe(0)
+        if env.n_available: env.read_whole_id()
+        return env.store.answer(env.question, last)
+'''
+
+
+def test_file_derived_rule_matches_the_environment(data_root, tmp_path):
+    "Branches, continues, a probe and a whole read with no schedule: the serving kernel's starts are `ReplayEnv`'s."
+    from tmas_nb.autotts.files import evaluate_file
+    (tmp_path / 'oa.py').write_text(DERIVED_SRC)
+    st = load_store('Qwen3-4B', 'aime25', data_root)
+    r = evaluate_file(str(tmp_path / 'oa.py'), 'OpenAdvance', {}, st, seeds=range(3))
+    ns = {}; exec(DERIVED_SRC, ns)
+    class InProcess(Controller, ns['OpenAdvance']):
+        name = 'oa'
+        def params(self): return {}
+        run = ns['OpenAdvance'].run
+    ref = evaluate(InProcess(), st, seeds=range(3))
+    assert r.error is None and (r.seq_rule, ref.seq_rule) == ('derived', 'derived')
+    assert r.avg_tokens == pytest.approx(ref.avg_tokens) and r.avg_seq_tokens == pytest.approx(ref.avg_seq_tokens)
+    assert r.avg_seq_tokens < r.avg_tokens

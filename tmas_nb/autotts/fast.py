@@ -12,7 +12,7 @@ from numba.extending import intrinsic
 
 from .controllers import (
     ASC, CMC, ESC, SAC, ParallelProbe, SelfConsistency, beta_confidence_table, cmc_schedule, check_fits_store, Controller)
-from .environment import ReplayEnv
+from .environment import ReplayEnv, check_schedule
 from .store import ReplayStore
 from .authors_api import N_CODE, F_CODE, C_CODE
 from .pipe import (
@@ -20,9 +20,10 @@ from .pipe import (
     OP_PROBE, OP_PRUNE, OP_ANSWERED, OP_DIGESTED, E_CEILING, E_RANGE, E_INDEX, E_ILLEGAL, FL_FINISHED, FL_NEW)
 
 # %% auto #0
-__all__ = ['ST_FRAME', 'ST_CLOSED', 'ST_IO', 'ST_TIMEOUT', 'ST_OVER_CAP', 'ST_BAD', 'ST_MARK', 'ST_KEPT', 'ST_REPLY', 'sc_kernel',
-           'asc_kernel', 'esc_kernel', 'pp_kernel', 'sac_kernel', 'cmc_kernel', 'authors_log_kernel', 'serve_kernel',
-           'serve_loop', 'has_fast', 'fast_episodes', 'run_fast', 'check_against_reference']
+__all__ = ['SCHEDULE_CODES', 'ST_FRAME', 'ST_CLOSED', 'ST_IO', 'ST_TIMEOUT', 'ST_OVER_CAP', 'ST_BAD', 'ST_MARK', 'ST_KEPT',
+           'ST_REPLY', 'sc_kernel', 'asc_kernel', 'esc_kernel', 'pp_kernel', 'sac_kernel', 'cmc_kernel',
+           'authors_log_kernel', 'schedule_code', 'serve_kernel', 'serve_loop', 'has_fast', 'fast_episodes', 'run_fast',
+           'check_against_reference']
 
 # %% ../../nbs/autotts/04_fast.ipynb #d0113d05
 @njit(cache=True, nogil=True)
@@ -321,10 +322,10 @@ def _start_episode(l, ls, lbr, lseen, plan, lane_off, orders, nbr):
     "Load the branch order of lane l's current episode and clear its state."
     row = lane_off[l] + ls[l, 0]; q = plan[row, 1]; nb = nbr[q]
     for p in range(nb):
-        lbr[l, 0, p] = orders[plan[row, 0], q, p]; lbr[l, 1, p] = 0; lbr[l, 2, p] = -1; lbr[l, 3, p] = 0
+        lbr[l, 0, p] = orders[plan[row, 0], q, p]; lbr[l, 1, p] = 0; lbr[l, 2, p] = -1; lbr[l, 3, p] = 0; lbr[l, 4, p] = 0; lbr[l, 5, p] = 0
     for a in range(lseen.shape[1]): lseen[l, a] = -1
     for k in range(1, 5): ls[l, k] = 0
-    ls[l, 5] = 1; ls[l, 6] = _FNV_OFFSET; ls[l, 7] = 0
+    ls[l, 5] = 1; ls[l, 6] = _FNV_OFFSET; ls[l, 7] = 0; ls[l, 8] = 0
 
 _FNV_OFFSET, _FNV_PRIME = -3750763034362895579, 1099511628211      # 64-bit FNV-1a over the codes of an episode's actions
 
@@ -344,6 +345,24 @@ def _read_at(l, p, q, lbr, probes, n_probes, finals, tokens, freq):
         return probes[q, b, k], freq[q], 0
     c = tokens[q, b] - freq[q] * k
     return finals[q, b], (c if c > 0 else 0), 1
+
+@njit(cache=True, nogil=True)
+def _lane_seq(l, ls, lbr):
+    "Sequential tokens of lane l's episode under its schedule `ls[l, 9]` (0 derived, 1 parallel, 2 sequential, 3 windows of `ls[l, 10]`)."
+    rule = ls[l, 9]; k = ls[l, 10]; n = ls[l, 1]; top = 0; tot = 0; wm = 0
+    for p in range(n):
+        t = np.int64(lbr[l, 4, p]) + (np.int64(lbr[l, 5, p]) if rule == 0 else 0)
+        top = max(top, t); wm = max(wm, t); tot += t
+        if rule == 3 and ((p + 1) % k == 0 or p == n - 1): tot += wm - t; wm = 0
+        elif rule == 3: tot -= t
+    return top if rule <= 1 else tot
+
+SCHEDULE_CODES = {'derived': 0, 'parallel': 1, 'sequential': 2}
+
+def schedule_code(schedule) -> tuple[int, int]:
+    "(rule code, window) of a schedule for the serving kernel; refuses a bad schedule as `check_schedule` does."
+    rule = check_schedule(schedule)
+    return (3, int(schedule[1])) if rule.startswith('windows') else (SCHEDULE_CODES[rule], 1)
 
 # %% ../../nbs/autotts/04_fast.ipynb #a8d9b7c4
 @njit(cache=True, nogil=True)
@@ -366,6 +385,7 @@ def serve_kernel(req, out, newq, kept, ls, lbr, lseen, plan, lane_off, orders, p
                 over = ls[l, 2] != 0
                 res[r, 0] = 1; res[r, 1] = 1 if (rev and x == gold[q] and not over) else 0; res[r, 2] = ls[l, 4]
                 res[r, 3] = (1 if over else 0) | (2 if (x >= -1 and not rev) else 0) | (ls[l, 2] << 4)
+                res[r, 4] = _lane_seq(l, ls, lbr)
             if plan[row, 2] & 4: hashes[row, 0] = ls[l, 6]; hashes[row, 1] = ls[l, 7]
             ls[l, 0] += 1; ls[l, 5] = 0
             continue
@@ -403,6 +423,9 @@ def serve_kernel(req, out, newq, kept, ls, lbr, lseen, plan, lane_off, orders, p
             lbr[l, 2, p] = a
             if op == OP_PROBE_NEW or op == OP_BRANCH or op == OP_READ_WHOLE or op == OP_FINAL_NEW: ls[l, 1] = opened + 1
             ls[l, 4] += c
+            if op == OP_PROBE_NEW or op == OP_BRANCH or op == OP_READ_WHOLE or op == OP_FINAL_NEW: lbr[l, 5, p] = ls[l, 8]
+            lbr[l, 4, p] += c
+            ls[l, 8] = max(ls[l, 8], np.int64(lbr[l, 5, p]) + lbr[l, 4, p])   # when the newest answer seen arrived
             li = lseen[l, a]
             if li < 0:
                 li = ls[l, 3]; lseen[l, a] = li; ls[l, 3] += 1

@@ -15,6 +15,8 @@ from tqdm.auto import tqdm
 from .child import (
     ANSWER_CAP, _answer_note, _answer_of, _answer_out, _answers_from, _one_line, _where, _seed_frame, child_main,
     memoise_scipy, pack_authors_log, state_digest, unpack_authors_log)
+from . import controllers as _controllers
+from .environment import check_schedule
 from .fast import authors_log_kernel
 from .pipe import (
     FrameReader, ProtocolError, PipeClosed, PipeTimeout, K_READY, K_FATAL, K_START, K_SEED, K_END, K_ERROR, K_DIGEST,
@@ -28,8 +30,9 @@ from ..sandbox import (Sandbox, SandboxAccess, SandboxLimits, bwrap_binary, laun
 from ..settings import SandboxSettings
 
 # %% auto #0
-__all__ = ['MAX_CONTROLLER_BYTES', 'ControllerError', 'check_controller_source', 'static_api_of', 'is_controller_file',
-           'file_controller_class', 'sandbox_command', 'evaluate_file', 'evaluate_file_configs', 'evaluate_file_grid']
+__all__ = ['MAX_CONTROLLER_BYTES', 'ControllerError', 'check_controller_source', 'static_api_of', 'declared_schedule',
+           'is_controller_file', 'file_controller_class', 'sandbox_command', 'evaluate_file', 'evaluate_file_configs',
+           'evaluate_file_grid']
 
 # %% ../../nbs/autotts/07_files.ipynb #344539bb
 class ControllerError(ValueError):
@@ -70,6 +73,33 @@ def static_api_of(code: str, class_name: str) -> str | None:
                 if r: return r
         return None
     return api(class_name, {class_name})
+
+# %% ../../nbs/autotts/07_files.ipynb #0caa49b8
+def declared_schedule(code: str, class_name: str, filename: str = '<controller>'):
+    "The literal `schedule` of `class_name`, of a base class in the file or of a built-in base, or None; ValueError if it is not valid."
+    try: tree = ast.parse(code)
+    except (SyntaxError, ValueError): return None
+    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+    imported = {a.asname or a.name: a.name for n in tree.body if isinstance(n, ast.ImportFrom) and n.module == 'tmas_nb.autotts.controllers'
+                for a in n.names}
+    def find(name, seen):
+        c = classes.get(name)
+        if c is None:                                 # a built-in base: its own class attribute (ESC's depends on the window: derived)
+            v = getattr(_controllers, imported.get(name, ''), None)
+            return v.schedule if isinstance(v, type) and isinstance(getattr(v, 'schedule', None), (str, tuple)) else None
+        for n in c.body:
+            if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == 'schedule' for t in n.targets):
+                try: v = ast.literal_eval(n.value)
+                except ValueError: raise ValueError(f"{filename}: class {name}: schedule must be a literal such as 'parallel' or ('windows', 8)") from None
+                check_schedule(v)
+                return tuple(v) if isinstance(v, list) else v
+        for b in c.bases:
+            if isinstance(b, ast.Name) and b.id not in seen:
+                r = find(b.id, seen | {b.id})
+                if r is not None: return r
+        return None
+    try: return find(class_name, {class_name})
+    except ValueError as e: raise ValueError(str(e) if str(e).startswith(filename) else f"{filename}: class {class_name}: {e}") from None
 
 # %% ../../nbs/autotts/07_files.ipynb #795284e2
 from ..core import read_untrusted_text
@@ -283,9 +313,12 @@ def _evaluate_configs(path, class_name, configs, store, seeds, s: SandboxSetting
     source = path.read_text(encoding='utf-8', errors='replace')
     err = check_controller_source(source, class_name, path.name)
     if err: return [_failed(n, store, seeds, s.api, err, mode, eval_path, mb) for n in names]
+    try: schedule = declared_schedule(source, class_name, path.name)
+    except ValueError as e: return [_failed(n, store, seeds, s.api, str(e), mode, eval_path, mb) for n in names]
     static_api = static_api_of(source, class_name) if s.api == 'auto' else s.api
     if not trusted:
-        return evaluate_safe(ControllerFile(path, class_name, source, static_api), configs, store, seeds, s, mode, names, n_boot, keep_logs, mb)
+        file = ControllerFile(path, class_name, source, static_api, schedule)
+        return evaluate_safe(file, configs, store, seeds, s, mode, names, n_boot, keep_logs, mb)
     chunks, check = _seed_chunks(seeds, s.jobs, static_api, s.stateless)
     if static_api != 'ours': threading.Thread(target=_warm_kernel, daemon=True).start()
     job = dict(filename=path.name, source=source, class_name=class_name, api=s.api, records=_records_of(store)[1], max_branches=mb)
@@ -313,7 +346,8 @@ def evaluate_file_configs(path, class_name: str, configs: list, store: ReplaySto
     return _evaluate_configs(path, class_name, configs, store, seeds, _sandbox_settings(settings, sandbox), keep_logs=keep_logs,
                              max_branches=max_branches, trusted=trusted)
 
-_GRID_COLUMNS = ['store', 'controller', 'config', 'acc', 'avg_tokens', 'ci_low', 'ci_high', 'acc_std', 'seeds', 'error', 'api',
+_GRID_COLUMNS = ['store', 'controller', 'config', 'acc', 'avg_tokens', 'ci_low', 'ci_high', 'avg_seq_tokens', 'seq_ci_low',
+                 'seq_ci_high', 'seq_rule', 'acc_std', 'seeds', 'error', 'api',
                  'sandbox', 'limits', 'eval_path', 'max_branches', 'over_max_branches', 'unrevealed', 'seconds']
 
 def evaluate_file_grid(path, class_name: str, configs: list, stores: list, seeds=range(100),
@@ -326,4 +360,4 @@ def evaluate_file_grid(path, class_name: str, configs: list, stores: list, seeds
         for c, r in zip(configs, _evaluate_configs(path, class_name, configs, st, seeds, s, max_branches=max_branches, trusted=trusted)):
             r = r.to_dict(per_question=False)
             r['config'] = json.dumps(c, sort_keys=True); rows.append(r)
-    return pd.DataFrame(rows)[_GRID_COLUMNS]
+    return pd.DataFrame(rows).reindex(columns=_GRID_COLUMNS)      # a failed or trusted run has no sequential tokens

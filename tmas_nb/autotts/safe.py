@@ -13,13 +13,14 @@ import numpy as np
 
 from .child import _answers_from, _one_line, _ours_codes
 from tmas_nb.autotts.fast import (
-    serve_kernel, serve_loop, ST_FRAME, ST_CLOSED, ST_IO, ST_TIMEOUT, ST_OVER_CAP, ST_BAD, ST_MARK, ST_KEPT,
+    serve_kernel, serve_loop, schedule_code, ST_FRAME, ST_CLOSED, ST_IO, ST_TIMEOUT, ST_OVER_CAP, ST_BAD, ST_MARK, ST_KEPT,
     ST_REPLY)
 from .pipe import (
     FrameReader, FrameWriter, ProtocolError, PipeClosed, PipeTimeout, K_READY, K_FATAL, K_BATCH, K_DONE, K_ERROR,
     K_JOB, K_TASK, K_REPLY, K_QUIT, OP_PROBE_NEW, OP_PROBE_MORE, OP_FINAL_NEW, OP_BRANCH, OP_ADVANCE, OP_READ_WHOLE,
     OP_ANSWER, OP_DIGEST, OP_ANSWERED, OP_DIGESTED, OP_TRACE, TRACE_BYTES, _child_argv, _child_env, _death_cause,
     _end_child, _start_child, _stderr_tail)
+from .environment import check_schedule
 from .tally import _Tally, _KEPT_ACTIONS, _ceiling_note
 from ..sandbox import Sandbox, SandboxLimits, redact
 
@@ -74,9 +75,9 @@ class _Plan:
         self.orders = st.orders([ev.seeds[i] for i in self.seeds]) if self.seeds else np.zeros((0, st.n_questions, st.probes.shape[1]), np.int32)
         self.plan = np.array([[srow[e['s']], e['q'], e['flags'], e['res']] for e in rows], np.int64).reshape(-1, 4)
         self.lane_off = np.cumsum([0] + [len(l) for l in lanes]).astype(np.int64)
-        self.ls = np.zeros((L, 8), np.int64)
+        self.ls = np.zeros((L, 11), np.int64); self.ls[:, 9], self.ls[:, 10] = ev.schedule   # 9, 10: the schedule's code and window
         self.hashes = np.zeros((len(rows), 2), np.int64)
-        self.lbr = np.zeros((L, 4, st.probes.shape[1]), np.int32)
+        self.lbr = np.zeros((L, 6, st.probes.shape[1]), np.int32)   # per position: branch, depth, latest, pruned, tokens read, start
         self.lseen = np.zeros((L, ev.n_vocab), np.int32)
         n = _REQ_CAP // 12 + 1
         self.reply, self.newq, self.kept = np.zeros(2 + 4 * n, np.int64), np.zeros((n, 2), np.int64), np.zeros((n, 2), np.int64)
@@ -324,6 +325,7 @@ class ControllerFile:
     class_name: str
     source: str
     static_api: str | None = None
+    schedule: object = None          # the class's declared schedule (None: derived from its actions)
 
 class _SafeEval:
     "One safe evaluation of a file on a store: the shared facts and the score arrays."
@@ -332,6 +334,7 @@ class _SafeEval:
         self.path, self.fname, self.class_name, self.configs, self.store, self.seeds = path, path.name, class_name, configs, store, seeds
         self.s, self.mode, self.static_api, self.keep_logs, self.mb = s, mode, static_api, keep_logs, mb
         self.mb_kernel = -1 if mb is None else int(mb)
+        self.schedule, self.rule = schedule_code(file.schedule), check_schedule(file.schedule)
         self.ours = static_api == 'ours'
         self.n_vocab = max(len(v) for v in store.vocab) + 1
         self.vid = [{a: i for i, a in enumerate(v)} for v in store.vocab]
@@ -353,7 +356,7 @@ def _plans(self: _SafeEval, lanes_on: bool, check: bool) -> list:
     S, Q = len(self.seeds), self.store.n_questions
     chunks = _split(list(range(S)), max(1, min(int(self.s.jobs or 1), S))) if lanes_on else [list(range(S))]
     per_child, extras = [[] for _ in chunks], [[] for _ in chunks]
-    self.res, self.checks, self.ends = [np.zeros((S * Q, 4), np.int64) for _ in self.configs], [], []
+    self.res, self.checks, self.ends = [np.zeros((S * Q, 5), np.int64) for _ in self.configs], [], []
     for t, cfg in enumerate(self.configs):
         glanes = []                                   # every lane of this configuration, in the serial order, over the children
         for j, chunk in enumerate(chunks):
@@ -373,7 +376,7 @@ def _plans(self: _SafeEval, lanes_on: bool, check: bool) -> list:
         if t + 1 < len(self.configs): self.ends.append((t, where[id(glanes[-1][1])][0], glanes[-1][1][-1]))
     for j, ex in enumerate(extras):
         if not ex: continue
-        xp = _Plan(-1, {}, [[e] for _, _, e, _ in ex], self, np.zeros((0, 4), np.int64), of=[[t, k] for t, k, _, _ in ex])
+        xp = _Plan(-1, {}, [[e] for _, _, e, _ in ex], self, np.zeros((0, 5), np.int64), of=[[t, k] for t, k, _, _ in ex])
         per_child[j].append(xp)
         self.checks += [(t, plan, first, xp, k) for k, (t, _, _, (plan, first)) in enumerate(ex)]
     return per_child
@@ -384,6 +387,7 @@ def _run(self: _SafeEval, lanes_on: bool, check: bool) -> bool:
     "Run the children; fill the tally; whether the run is proven exact (or needs no proof)."
     self.child_mode = 'lanes' if lanes_on else 'serial'
     self.tally = _Tally(self.path, self.store, self.configs, self.seeds, self.static_api, self.keep_logs, self.mb, 'safe')
+    self.tally.rule = self.rule
     per_child = self._plans(lanes_on, check)
     self.unproven = False
     def on_error(plan, msg):
@@ -406,8 +410,8 @@ def _fill(self: _SafeEval, per_child: list) -> None:
     "Copy the kernel's scores into the tally, with the traced seed's answers and logs."
     T, S, Q = self.tally, len(self.seeds), self.store.n_questions
     for t in range(len(self.configs)):
-        r = self.res[t].reshape(S, Q, 4)
-        T.got[t], T.correct[t], T.cost[t] = r[..., 0] == 1, r[..., 1] == 1, r[..., 2]
+        r = self.res[t].reshape(S, Q, 5)
+        T.got[t], T.correct[t], T.cost[t], T.seq[t] = r[..., 0] == 1, r[..., 1] == 1, r[..., 2], r[..., 4]
         T.over[t], T.unrevealed[t] = int((r[..., 3] & 1).sum()), int(((r[..., 3] & 2) != 0).sum())
         if not self.keep_logs: continue
         logs, notes, own = [None] * Q, [None] * Q, [None] * Q
@@ -446,8 +450,8 @@ def _warm_serve_kernel() -> None:
     try:
         i32, i64, u8 = np.zeros(1, np.int32), np.zeros(1, np.int64), np.zeros(8, np.uint8)
         z = lambda *s_, d=np.int64: np.zeros(s_, d)
-        state = (z(1, 8), z(1, 4, 1, d=np.int32), z(1, 1, d=np.int32), z(1, 4), z(2), z(1, 1, 1, d=np.int32), z(1, 1, 1, d=np.int32),
-                 z(1, 1, d=np.int32), z(1, 1, d=np.int32), z(1, 1), i64, i32, i32, False, -1, z(1, 4), z(1, 2))
+        state = (z(1, 11), z(1, 6, 1, d=np.int32), z(1, 1, d=np.int32), z(1, 4), z(2), z(1, 1, 1, d=np.int32), z(1, 1, 1, d=np.int32),
+                 z(1, 1, d=np.int32), z(1, 1, d=np.int32), z(1, 1), i64, i32, i32, False, -1, z(1, 5), z(1, 2))
         serve_kernel(z(0, 3, d=np.int32), z(1, 4), z(1, 2), z(1, 2), *state)   # a batch with notes (the Python path)
         serve_loop(-1, -1, u8, 0, 1, 0, u8, z(1, 3, d=np.int32), z(1, 2), 0, u8, z(1, 1), z(1, 1), z(6), z(1, 4), z(1, 2), *state)
     except Exception: pass

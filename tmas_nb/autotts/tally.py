@@ -86,6 +86,7 @@ class _Tally:
         self.pos = {s: i for i, s in enumerate(seeds)}
         self.correct, self.cost, self.got = np.zeros((K, S, Q), bool), np.zeros((K, S, Q)), np.zeros((K, S, Q), bool)
         self.unrevealed, self.over = np.zeros(K, int), np.zeros(K, int)
+        self.seq, self.rule = np.zeros((K, S, Q)), None   # sequential tokens, counted where `rule` is set (the safe path)
         self.errors, self.api = [None] * K, [static_api] * K
         self.orders, self.logs, self.trace_errors, self.own = {}, [None] * K, [None] * K, [None] * K
         self.records = _records_of(store)[0]
@@ -167,6 +168,9 @@ def results(self:_Tally, names: list, mode: str, secs: float, n_boot: int = 2000
                        (100 * pq).tolist(), self.cost[k].mean(axis=0).tolist(), error=None, acc_std=float(per_seed.std()),
                        api=self.api[k], sandbox=mode, limits=_enforcement(mode), eval_path=self.eval_path, max_branches=self.mb,
                        over_max_branches=int(self.over[k]), unrevealed=int(self.unrevealed[k]), seconds=secs)
+        if self.rule is not None:
+            slo, shi = bootstrap_ci(self.seq[k].mean(axis=0), n_boot=n_boot)
+            r.avg_seq_tokens, r.seq_ci_low, r.seq_ci_high, r.seq_rule = float(self.seq[k].mean()), slo, shi, self.rule
         if self.keep_logs:
             r.trace_seed, r.trace_api, r.trace_logs, r.trace_errors = self.seeds[0], self.api[k], self.logs[k], self.trace_errors[k]
             r.trace_own = self.own[k]
