@@ -114,14 +114,15 @@ class EightWhole:
 '''
 
 
+@pytest.mark.parametrize('trusted', [False, True], ids=['safe', 'trusted'])
 @pytest.mark.parametrize('declared,rule', [("    schedule = 'parallel'\n", 'parallel'), ("    schedule = ('windows', 4)\n", 'windows:4'),
                                            ('', 'derived')])
-def test_file_schedule_declared_or_derived(data_root, tmp_path, declared, rule):
+def test_file_schedule_declared_or_derived(data_root, tmp_path, declared, rule, trusted):
     from tmas_nb.autotts.files import evaluate_file
     f = tmp_path / 'eight.py'
     f.write_text(FILE_SRC.replace("    schedule = 'parallel'\n", declared))
     st = load_store('Qwen3-0.6B', 'aime24', data_root)
-    r = evaluate_file(str(f), 'EightWhole', {}, st, seeds=range(3))
+    r = evaluate_file(str(f), 'EightWhole', {}, st, seeds=range(3), trusted=trusted)
     assert r.error is None and r.seq_rule == rule and r.seq_ci_low <= r.avg_seq_tokens <= r.seq_ci_high
     schedule = {'parallel': 'parallel', 'windows:4': ('windows', 4), 'derived': None}[rule]
     ref = []
@@ -132,15 +133,16 @@ def test_file_schedule_declared_or_derived(data_root, tmp_path, declared, rule):
     if rule == 'derived': assert r.avg_seq_tokens == pytest.approx(r.avg_tokens)   # whole reads seen one by one: in sequence
 
 
+@pytest.mark.parametrize('trusted', [False, True], ids=['safe', 'trusted'])
 @pytest.mark.parametrize('name', ['ours_cmc', 'authors_sc'])
-def test_file_derived_schedule_matches_the_environment(data_root, tmp_path, name):
+def test_file_derived_schedule_matches_the_environment(data_root, tmp_path, name, trusted):
     "A file subclassing a built-in takes its schedule, and the parent's count equals the in-process one; a plain file's is derived."
     from tmas_nb.autotts.files import evaluate_file
     from tmas_nb.autotts.authors_api import example_controller
     cls, src = example_controller(name)
     (tmp_path / f'{name}.py').write_text(src)
     st = load_store('Qwen3-1.7B', 'hmmt25', data_root)
-    r = evaluate_file(str(tmp_path / f'{name}.py'), cls, {}, st, seeds=range(2))
+    r = evaluate_file(str(tmp_path / f'{name}.py'), cls, {}, st, seeds=range(2), trusted=trusted)
     assert r.error is None and r.seq_rule == {'ours_cmc': 'parallel', 'authors_sc': 'derived'}[name]
     assert 0 < r.avg_seq_tokens <= r.avg_tokens
     if name == 'ours_cmc':
@@ -175,12 +177,13 @@ class OpenAdvance:
 '''
 
 
-def test_file_derived_rule_matches_the_environment(data_root, tmp_path):
+@pytest.mark.parametrize('trusted', [False, True], ids=['safe', 'trusted'])
+def test_file_derived_rule_matches_the_environment(data_root, tmp_path, trusted):
     "Branches, continues, a probe and a whole read with no schedule: the serving kernel's starts are `ReplayEnv`'s."
     from tmas_nb.autotts.files import evaluate_file
     (tmp_path / 'oa.py').write_text(DERIVED_SRC)
     st = load_store('Qwen3-4B', 'aime25', data_root)
-    r = evaluate_file(str(tmp_path / 'oa.py'), 'OpenAdvance', {}, st, seeds=range(3))
+    r = evaluate_file(str(tmp_path / 'oa.py'), 'OpenAdvance', {}, st, seeds=range(3), trusted=trusted)
     ns = {}; exec(DERIVED_SRC, ns)
     class InProcess(Controller, ns['OpenAdvance']):
         name = 'oa'
@@ -190,3 +193,15 @@ def test_file_derived_rule_matches_the_environment(data_root, tmp_path):
     assert r.error is None and (r.seq_rule, ref.seq_rule) == ('derived', 'derived')
     assert r.avg_tokens == pytest.approx(ref.avg_tokens) and r.avg_seq_tokens == pytest.approx(ref.avg_seq_tokens)
     assert r.avg_seq_tokens < r.avg_tokens
+
+
+def test_authors_file_paths_agree(data_root, tmp_path):
+    "An authors'-API file without a schedule: the safe path's kernel and the trusted path's replay count the same."
+    from tmas_nb.autotts.files import evaluate_file
+    from tmas_nb.autotts.authors_api import example_controller
+    cls, src = example_controller('authors_cmc')
+    (tmp_path / 'a.py').write_text(src)
+    st = load_store('Qwen3-8B', 'aime24', data_root)
+    safe, trusted = (evaluate_file(str(tmp_path / 'a.py'), cls, {}, st, seeds=range(2), trusted=t) for t in (False, True))
+    assert safe.error is None and trusted.error is None and safe.seq_rule == trusted.seq_rule == 'derived'
+    assert safe.avg_tokens == trusted.avg_tokens and safe.avg_seq_tokens == trusted.avg_seq_tokens < safe.avg_tokens

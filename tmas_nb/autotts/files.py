@@ -323,10 +323,11 @@ def _evaluate_configs(path, class_name, configs, store, seeds, s: SandboxSetting
     if static_api != 'ours': threading.Thread(target=_warm_kernel, daemon=True).start()
     job = dict(filename=path.name, source=source, class_name=class_name, api=s.api, records=_records_of(store)[1], max_branches=mb)
     t0 = time.perf_counter()
-    tally = _Tally(path, store, configs, seeds, static_api, keep_logs, mb)
+    tally = _Tally(path, store, configs, seeds, static_api, keep_logs, mb); tally.schedule, tally.rule = schedule, check_schedule(schedule)
     dig = _run_chunks(job, configs, chunks, check, s, mode, tally)
     if check and tally.api[0] == 'authors' and not _split_exact(dig, len(chunks), len(configs)):
         tally = _Tally(path, store, configs, seeds, static_api, keep_logs, mb)   # state carries over: the serial run, as jobs=1
+        tally.schedule, tally.rule = schedule, check_schedule(schedule)
         _run_chunks(job, configs, [seeds], False, s, mode, tally)
     return tally.results(names, mode, time.perf_counter() - t0, n_boot)
 

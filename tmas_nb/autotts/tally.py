@@ -9,15 +9,15 @@ import weakref
 import numpy as np
 from fastcore.basics import patch
 
-from .authors_api import store_records, C_CODE
+from .authors_api import store_records, C_CODE, N_CODE, F_CODE
 from .child import _one_line, _ours_codes, unpack_authors_log
-from .environment import ceiling_message
+from .environment import ceiling_message, seq_tokens
 from .fast import authors_log_kernel
 from .results import EvalResult, bootstrap_ci
 from ..sandbox import limits_enforcement, redact
 
 # %% auto #0
-__all__ = ['replay_ours_log']
+__all__ = ['replay_ours_log', 'log_timeline']
 
 # %% ../../nbs/autotts/07d_tally.ipynb #468531c2
 def _ours_lists(store) -> list:
@@ -56,6 +56,23 @@ def replay_ours_log(branches: list, order: list, probe_freq: int, codes: list, m
         depth[i] = d + 1; latest[i] = a; seen.add(a)
     return total, seen, False
 
+# %% ../../nbs/autotts/07d_tally.ipynb #867f58e2
+def log_timeline(codes, api: str, branches: list, order: list, probe_freq: int) -> tuple[list, list]:
+    "(tokens per opened branch, start of each) of a replayable action log ('ours' letters or 'authors' integer codes)."
+    tok, start, probed, seen_at = [], [], [], 0
+    for a in codes:
+        if (api == 'authors' and a == C_CODE) or (api != 'authors' and a == 'K'): break
+        if api != 'authors' and a[:1] in ('P', 'X'): continue
+        whole, new = (a == F_CODE, a in (N_CODE, F_CODE)) if api == 'authors' else (a == 'W', a in ('B', 'W'))
+        if new: tok.append(0); start.append(seen_at); probed.append(0); i = len(tok) - 1
+        else: i = int(a) if api == 'authors' else int(a[1:]); i = i + len(order) if i < 0 else i
+        pl, t, _ = branches[order[i]]; d = probed[i]
+        if whole: c = t
+        elif d < len(pl): c = probe_freq; probed[i] = d + 1
+        else: c = max(0, t - probe_freq * d); probed[i] = d + (api != 'authors')   # the authors' API charges a final read again
+        tok[i] += c; seen_at = max(seen_at, start[i] + tok[i])
+    return tok, start
+
 # %% ../../nbs/autotts/07d_tally.ipynb #ce3f5b13
 _RECORDS: dict = {}
 
@@ -86,7 +103,7 @@ class _Tally:
         self.pos = {s: i for i, s in enumerate(seeds)}
         self.correct, self.cost, self.got = np.zeros((K, S, Q), bool), np.zeros((K, S, Q)), np.zeros((K, S, Q), bool)
         self.unrevealed, self.over = np.zeros(K, int), np.zeros(K, int)
-        self.seq, self.rule = np.zeros((K, S, Q)), None   # sequential tokens, counted where `rule` is set (the safe path)
+        self.seq, self.schedule, self.rule = np.zeros((K, S, Q)), None, None   # sequential tokens, counted once `rule` is set
         self.errors, self.api = [None] * K, [static_api] * K
         self.orders, self.logs, self.trace_errors, self.own = {}, [None] * K, [None] * K, [None] * K
         self.records = _records_of(store)[0]
@@ -117,12 +134,14 @@ def _episodes(self:_Tally, t: int, s: int, answers: list, logs: list) -> None:
     if kept: self.logs[t], self.trace_errors[t] = [], [None] * Q
     for q, (ans, log) in enumerate(zip(answers, logs)):
         order = self.orders[s][q][:len(self.records[q]['each_branch'])]
+        if self.ours is None: self.ours = _ours_lists(st)
         if self.api[t] == 'authors':
             c, rev, over = self._authors(q, order, log, ans); codes = unpack_authors_log(log)
+            if self.rule is not None: self._seq(t, i, q, codes.tolist(), order)
             codes = codes[codes != C_CODE].tolist()
         else:
-            if self.ours is None: self.ours = _ours_lists(st)
             codes = _ours_codes(log.tolist())
+            if self.rule is not None: self._seq(t, i, q, codes, order)
             c, seen, over = replay_ours_log(self.ours[q][0], order, self.ours[q][1], codes, self.mb)
             rev = isinstance(ans, str) and any(st.vocab[q][a] == ans for a in seen if a >= 0)
             codes = [x for x in codes if x != 'K']
@@ -135,6 +154,12 @@ def _episodes(self:_Tally, t: int, s: int, answers: list, logs: list) -> None:
             if over: self.trace_errors[t][q] = _ceiling_note(self.mb)
             elif len(codes) > _KEPT_ACTIONS: self.trace_errors[t][q] = f"the log is cut at {_KEPT_ACTIONS} of its {len(codes)} actions"
     self.got[t, i] = True
+
+@patch
+def _seq(self:_Tally, t: int, i: int, q: int, codes: list, order: list) -> None:
+    "Count the sequential tokens of one episode's log under the tally's schedule."
+    tok, start = log_timeline(codes, self.api[t], self.ours[q][0], order, self.ours[q][1])
+    self.seq[t, i, q] = seq_tokens(self.schedule, tok, start)
 
 def _ceiling_note(mb, what: str = 'a branch') -> str:
     "The trace's note on an episode failed at the ceiling."
