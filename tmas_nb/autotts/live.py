@@ -57,6 +57,7 @@ class LiveEnv(ReplayEnv):
         self.store = self.store if self.store is not None else LiveAnswers()
         self.order = np.arange(B, dtype=np.int32)
         self.depth, self.tokens_read, self.pruned, self.latest, self.probes_revealed, self.trace = [], [], [], [], [], []
+        self.starts = []           # when each branch started, for sequential tokens (see `ReplayEnv.starts`)
         self.gen, self.intervals, self.groups = {}, {}, []
         self.probe_tokens = self.decode_calls = self.probe_calls = self.discarded = 0
         self._open()
@@ -160,6 +161,7 @@ def _read_interval(self:LiveEnv, i) -> tuple[int, int, bool]:
     while len(self.intervals[i]) <= self.depth[i]: self._grow(self._group_of(i), i)
     a, c, fin = self.intervals[i][self.depth[i]]
     self.depth[i] += 1; self.tokens_read[i] += c; self.latest[i] = a
+    self.seen_at = max(self.seen_at, self.starts[i] + self.tokens_read[i])
     return a, c, fin
 
 @patch
@@ -176,6 +178,7 @@ def read_whole_id(self:LiveEnv) -> int:
     while not (self.intervals[i] and self.intervals[i][-1][2]): self._grow(self._group_of(i), i)
     c, a = sum(t for _, t, _ in self.intervals[i]), self.intervals[i][-1][0]
     self.depth.append(len(self.intervals[i])); self.tokens_read.append(c); self.pruned.append(False); self.latest.append(a)
+    self.starts.append(self.seen_at); self.seen_at += c
     self._log(Action.READ_WHOLE, i, a, c, True)
     return a
 
