@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from tmas_nb.autotts.controllers import parse_controller, SelfConsistency, ASC, ESC, ParallelProbe, CMC
+from tmas_nb.autotts.controllers import parse_controller, SelfConsistency, ASC, ESC, ParallelProbe, CMC, SAC
 from tmas_nb.autotts.fast import run_fast
 from tmas_nb.autotts.evaluation import evaluate, trace_episodes
 from tmas_nb.cli import main
@@ -30,6 +30,8 @@ BAD_SPECS = [
     ('pp:prune_patience=0', 'pp', 'prune_patience', '0', '>= 1'),
     ('pp:warm_up=-1', 'pp', 'warm_up', '-1', '>= 0'),
     ('pp:max_steps=0', 'pp', 'max_steps', '0', '>= 1'),
+    ('sac:n=0', 'sac', 'n', '0', '>= 1'),
+    ('sac:streak=-2', 'sac', 'streak', '-2', '>= 1'),
 ]
 
 
@@ -70,7 +72,7 @@ def test_edges_of_every_range_are_accepted():
 def test_count_above_the_store_branches_is_refused_not_clamped():
     st = toy_store(n_questions=2)                                   # two branches per question
     assert evaluate('sc:k=2', st, range(2)).avg_tokens == 2000       # all of both branches
-    for c in [SelfConsistency(3), ASC(5), ESC(8, 4), ParallelProbe(3)]:
+    for c in [SelfConsistency(3), ASC(5), ESC(8, 4), ParallelProbe(3), SAC(3)]:
         for run in (lambda: evaluate(c, st, range(2)), lambda: run_fast(c, st, range(2)),
                     lambda: trace_episodes(c, st, range(1))):
             with pytest.raises(ValueError, match='2 branches per question') as e:
