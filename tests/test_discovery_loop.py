@@ -163,3 +163,18 @@ def test_episodes_past_the_ceiling_reach_the_round_record_and_the_next_prompt(tm
     assert rec['ceiling_hits'] == [dict(store='Qwen3-4B:syn', beta=1.0, episodes=5)] and s['ceiling_hits'] == {0: 5, 1: 5}
     p = (out / 'rounds' / 'r0001' / 'prompt_0.txt').read_text()
     assert 'past the branch ceiling (each such question was an error, counted wrong): Qwen3-4B:syn β=1: 5 episodes' in p
+
+
+def test_a_round_whose_every_configuration_fails_is_recorded_and_the_run_goes_on_and_resumes(tmp_path):
+    raises = controller("(_ for _ in ()).throw(RuntimeError('always fails'))")
+    store, out = str(_store(tmp_path)), tmp_path / 'run'
+    cfg = DiscoveryConfig(rounds=1, train=[store], seeds=2, betas=(0.0, 1.0), turns=1)
+    s = run_discovery(ScriptedLLM([reply(raises)]), cfg, out, progress=False)
+    [rec] = [json.loads(l) for l in (out / 'rounds.jsonl').read_text().splitlines()]
+    assert rec['status'] == 'all_failed' and 'always fails' in rec['error'], rec
+    assert s['statuses']['all_failed'] == 1 and (out / 'summary.json').exists()
+    csv = next((out / 'code_base' / 'history').glob('r0000_*/matrix_results_*/syn_raw_new_api.csv'))
+    assert pd.read_csv(csv).Acc.isna().all()                                  # no number where there was none
+    s = run_discovery(ScriptedLLM([reply(MAJORITY(15))]), DiscoveryConfig(**{**vars(cfg), 'rounds': 2}), out, progress=False)
+    recs = [json.loads(l) for l in (out / 'rounds.jsonl').read_text().splitlines()]
+    assert [r['status'] for r in recs] == ['all_failed', 'ok'] and s['rounds'] == 2 and s['selection']['round'] == 1

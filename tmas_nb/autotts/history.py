@@ -168,10 +168,14 @@ def store_parts(name: str) -> tuple[str, str]:
     model, _, dataset = name.replace(':', '/').rpartition('/')
     return (model.replace('/', '_') or 'store'), dataset
 
+def _numbers(col) -> pd.Series:
+    "A column as floats: a failed configuration's missing value (None) becomes NaN, an empty cell in the CSV."
+    return pd.to_numeric(col, errors='coerce').astype(float)
+
 def authors_csv(rows: pd.DataFrame, method: str = 'OptimalController') -> pd.DataFrame:
     "Rows (config, acc, avg_tokens, acc_std) in the authors' `*_raw_new_api.csv` columns."
     cfgs = [json.loads(c) if isinstance(c, str) else dict(c) for c in rows.config]
-    return pd.DataFrame(dict(Method=rows.get('method', method), Acc=rows.acc.round(2), Cost=rows.avg_tokens.round(0),
+    return pd.DataFrame(dict(Method=rows.get('method', method), Acc=_numbers(rows.acc).round(2), Cost=_numbers(rows.avg_tokens).round(0),
                              Std_Acc=rows.get('acc_std', 0.0), Description=[f"{method} | config={c}" for c in cfgs],
                              config=[repr(c) for c in cfgs], beta=[c.get('beta') for c in cfgs], error=rows.get('error')))
 
