@@ -36,6 +36,7 @@ def gw(upstream, tmp_path_factory):
     llm = OpenAIBackend(None, base_url=upstream.url, max_concurrency=64)
     gateway = Gateway(llm, tmp_path_factory.mktemp('gateway'), llm.model_id, 'openai', llm.base_url, preset='cpu-demo',
                       benchmark='demo', concurrency=32)
+    gateway.expose_grades = True                          # the tests compare the answers' grades with the run folders'
     with GatewayThread(gateway, limits=gateway_limits(max_queue=40)) as t:
         yield t, gateway
     llm.close()

@@ -14,8 +14,8 @@ from fastcore.basics import patch
 # %% auto #0
 __all__ = ['HTTP_FLAGS', 'MAX_JSON_DEPTH', 'FILES_RESERVED', 'HTTPLimits', 'add_http_flags', 'http_limits_from_args',
            'flag_message', 'BadRequest', 'error_body', 'json_bytes', 'send_json', 'ClientGone', 'json_guard',
-           'short_repr', 'count_messages', 'read_json', 'judge_prompt_chars', 'judge_chat_size', 'bearer_ok',
-           'unauthorized_body', 'KeyRequired', 'is_loopback', 'check_exposure', 'LoopbackHostsOnly',
+           'short_repr', 'count_messages', 'read_json', 'judge_prompt_chars', 'content_chars', 'judge_chat_size',
+           'bearer_ok', 'unauthorized_body', 'KeyRequired', 'is_loopback', 'check_exposure', 'LoopbackHostsOnly',
            'raise_open_files_limit', 'ConnectionGuard', 'guarded_protocol', 'WorkPool', 'Admission',
            'unless_disconnected', 'http_server']
 
@@ -208,13 +208,20 @@ def judge_prompt_chars(chars: int, limits: HTTPLimits, why: str = '') -> None:
         raise BadRequest(f"the prompt has {chars:,} characters; this server takes at most {cap:,}{why}; shorten the prompt",
                          param='messages')
 
+def content_chars(content) -> int:
+    "Characters of a message's content: a string, or content parts whose texts count as if joined by newlines."
+    if isinstance(content, str): return len(content)
+    if not isinstance(content, list): return 0
+    texts = [p['text'] for p in content if isinstance(p, dict) and isinstance(p.get('text'), str)]
+    return sum(map(len, texts)) + max(len(texts) - 1, 0)
+
 def judge_chat_size(messages, limits: HTTPLimits, why: str = '') -> int:
     "Refuse (400) a chat too large to template: too many messages, a message too long, too many characters in all; its characters."
     if not isinstance(messages, list): return 0           # the full check of the request names what is wrong
     if len(messages) > limits.max_messages:
         raise BadRequest(f"messages: {len(messages):,} messages; this server takes at most {limits.max_messages:,} per "
                          "request (--max-messages)", param='messages')
-    sizes = [len(m['content']) if isinstance(m, dict) and isinstance(m.get('content'), str) else 0 for m in messages]
+    sizes = [content_chars(m.get('content')) if isinstance(m, dict) else 0 for m in messages]
     judge_prompt_chars(sum(sizes), limits, why)
     for i, n in enumerate(sizes):
         if n > limits.max_message_chars:

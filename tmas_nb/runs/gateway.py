@@ -31,12 +31,13 @@ from ..settings import setting, add_settings, resolve
 
 # %% auto #0
 __all__ = ['CONTROLLER_PREFIX', 'LISTED_CONTROLLERS', 'UNGRADED', 'SETTINGS_KEY', 'OPENAI_FIELDS', 'NOT_FROM_CLIENTS',
-           'IGNORED_FIELDS', 'GATEWAY_LIMITS', 'GATEWAY_LOG', 'STREAM_PIECE', 'gateway_methods', 'parse_model_name',
-           'listed_models', 'question_of', 'problem_index', 'problem_for', 'graded', 'request_settings',
-           'planned_new_tokens', 'GatewayRequest', 'run_name', 'GatewaySettings', 'gateway_limits', 'log_to_stderr',
-           'Gateway', 'finished_run', 'unfinished_attempt', 'chat_completion', 'sse', 'sse_comment', 'answer_chunks',
-           'calls_done', 'progress_line', 'failure', 'EventStream', 'create_gateway_app', 'GatewayThread',
-           'open_upstream', 'gateway_cli']
+           'IGNORED_FIELDS', 'MAX_TOTAL_TOKENS', 'MAX_REQUEST_SAMPLES', 'GATEWAY_LIMITS', 'GATEWAY_LOG', 'GRADES',
+           'STREAM_PIECE', 'gateway_methods', 'parse_model_name', 'listed_models', 'question_of', 'problem_index',
+           'problem_for', 'graded', 'request_settings', 'planned_new_tokens', 'size_factors', 'check_request_size',
+           'GatewayRequest', 'run_name', 'GatewaySettings', 'gateway_limits', 'log_to_stderr', 'Gateway',
+           'withhold_grades', 'finished_run', 'unfinished_attempt', 'chat_completion', 'sse', 'sse_comment',
+           'answer_chunks', 'calls_done', 'progress_line', 'failure', 'EventStream', 'create_gateway_app',
+           'GatewayThread', 'open_upstream', 'gateway_cli']
 
 # %% ../../nbs/runs/10_gateway.ipynb #12e5fd43
 CONTROLLER_PREFIX = 'controller:'
@@ -152,6 +153,33 @@ def planned_new_tokens(method: str, config) -> int:
         return config.branches * (config.max_new_tokens + probes * config.probe_tokens)
     return sum((d['samples'] + d['calls_max'] - d['calls']) * d['max_new_tokens'] for d in planned_calls(method, config, 1).values())
 
+# %% ../../nbs/runs/10_gateway.ipynb #8a6f8bdb
+MAX_TOTAL_TOKENS = 256_000_000
+"`tmas gateway --max-total-tokens` by default: above the largest plan of the papers' presets (TMAS at a 128k-token limit: 219 M)."
+MAX_REQUEST_SAMPLES = 4096
+"`tmas gateway --max-request-samples` by default: more than any preset plans (TMAS: 1,638 samples; RSE's sampling: 1,024)."
+
+def size_factors(method: str, config) -> list[tuple[str, int]]:
+    "The request's settings whose product the samples of its plan are at least: [(field, value)]."
+    if method == ControllerMethod.name: return [(f'{SETTINGS_KEY}.branches', int(config.branches))]
+    out = [(f'{SETTINGS_KEY}.n_candidates', int(config.n_candidates)), (f'{SETTINGS_KEY}.iterations', int(config.iterations))]
+    if method in ('tmas', 'verify-refine') and int(getattr(config, 'n_verifications', 0) or 0) > 1:
+        out.append((f'{SETTINGS_KEY}.n_verifications', int(config.n_verifications)))
+    return out
+
+def check_request_size(method: str, config, max_samples: int, max_tokens: int | None) -> None:
+    "Refuse (400, naming the fields) a request whose settings alone give more samples or new tokens than the gateway allows."
+    factors = size_factors(method, config)
+    samples = math.prod(v for _, v in factors)
+    names = ' × '.join(f"{k} ({v:,})" for k, v in factors)
+    if samples > max_samples:
+        raise BadRequest(f"{names} = {samples:,} samples, over this gateway's --max-request-samples of {max_samples:,}; lower "
+                         f"{factors[0][0]}", param=SETTINGS_KEY)
+    tokens = samples * int(config.max_new_tokens)
+    if max_tokens is not None and tokens > max_tokens:
+        raise BadRequest(f"{names} × max_tokens ({int(config.max_new_tokens):,}) = {tokens:,} new tokens, over this gateway's "
+                         f"--max-total-tokens of {max_tokens:,}; lower them", param=SETTINGS_KEY)
+
 # %% ../../nbs/runs/10_gateway.ipynb #aea3e3e9
 @dataclass
 class GatewayRequest:
@@ -200,7 +228,11 @@ class GatewaySettings:
                                         'none: no check)')
     allow_unauthenticated: bool = setting(False, "allow a --host beyond loopback without an API key")
     concurrency: int = setting(8, "requests run at the same time (each is one problem's run); more wait in the queue")
-    max_total_tokens: int | None = setting(None, "refuse (400) a request whose plan may generate more new tokens than this")
+    max_total_tokens: int = setting(MAX_TOTAL_TOKENS, "refuse (400) a request whose plan may generate more new tokens than this")
+    max_request_samples: int = setting(MAX_REQUEST_SAMPLES, "refuse (400) a request whose plan asks for more samples than this "
+                                                            "(candidates × iterations, × reviews for tmas and verify-refine)")
+    expose_grades: bool = setting(False, "tell clients whether a --benchmark question was answered correctly (graded, correct)")
+    allow_templates: bool = setting(False, "let a request replace the prompt templates (tmas.templates)")
     threads: int | None = setting(None, "CPU threads of a model run in this process (default: every core)")
     log_level: str = setting('warning', "uvicorn log level")
     progress_every: float = setting(30.0, "seconds between the progress lines a running request writes to the log (stderr)")
@@ -210,8 +242,9 @@ class GatewaySettings:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if f == 'port' else 1):
                 raise ValueError(f"--{f.replace('_', '-')} must be an integer >= {0 if f == 'port' else 1}, got {v!r}")
-        if self.max_total_tokens is not None and self.max_total_tokens < 1:
-            raise ValueError(f"--max-total-tokens must be >= 1, got {self.max_total_tokens!r}")
+        for f in ('max_total_tokens', 'max_request_samples'):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1: raise ValueError(f"--{f.replace('_', '-')} must be >= 1, got {v!r}")
         if not self.progress_every > 0: raise ValueError(f"--progress-every must be > 0 seconds, got {self.progress_every!r}")
 
 # %% ../../nbs/runs/10_gateway.ipynb #5c1e0a11
@@ -238,15 +271,33 @@ def log_to_stderr(logger: logging.Logger = GATEWAY_LOG) -> logging.Logger:
 class Gateway:
     "Methods behind one upstream model: resolves requests (`plan`), runs each into its run folder (`run`) and answers (`answer`)."
     progress_every_s: float = 30.0   # seconds between a running request's progress lines in GATEWAY_LOG (`tmas gateway --progress-every`)
+    max_request_samples: int = MAX_REQUEST_SAMPLES   # `tmas gateway --max-request-samples`
+    expose_grades: bool = False      # `--expose-grades`: answers say whether a benchmark question was answered correctly
+    allow_templates: bool = False    # `--allow-templates`: a request may replace the prompt templates
     def __init__(self, llm: LLM, out, model: str, backend: str, base_url: str | None = None, preset: str | None = None,
                  role_endpoints: dict | None = None, benchmark: str | None = None, concurrency: int = 8,
-                 max_total_tokens: int | None = None):
+                 max_total_tokens: int | None = MAX_TOTAL_TOKENS):
         self.llm, self.out, self.model, self.backend, self.base_url = llm, Path(out), model, backend, base_url
         self.preset, self.role_endpoints, self.benchmark = preset, dict(role_endpoints or {}), benchmark
         self.known, self.concurrency, self.max_total_tokens = problem_index(benchmark), concurrency, max_total_tokens
         self.out.mkdir(parents=True, exist_ok=True)
         self._folders = weakref.WeakValueDictionary()     # one asyncio.Lock per busy run folder
         self.counts = dict(requests=0, refused=0, completed=0, cancelled=0, failed=0, running=0)
+
+# %% ../../nbs/runs/10_gateway.ipynb #d509696d
+@patch
+def check_policy(self:Gateway, flags: dict) -> None:
+    "Refuse (400, naming the field) a request's setting that only the operator may allow."
+    if 'templates' in flags and not self.allow_templates:
+        raise BadRequest(f"{SETTINGS_KEY}.templates: this gateway does not let requests replace the prompt templates (the "
+                         "operator allows it with --allow-templates)", param=f'{SETTINGS_KEY}.templates')
+
+GRADES = ('graded', 'correct')
+"The parts of an answer's `tmas` object that tell whether a benchmark question was answered correctly."
+
+def withhold_grades(ext: dict, problem: Problem) -> dict:
+    "`ext` without its grades, and with the problem's id as an ungraded question's (its hash), as `--expose-grades` is off."
+    return {**{k: v for k, v in ext.items() if k not in GRADES}, 'problem_id': problem_for(problem.question, {}).id}
 
 # %% ../../nbs/runs/10_gateway.ipynb #63115953
 @patch
@@ -257,10 +308,12 @@ def plan(self:Gateway, body) -> GatewayRequest:
     question, left_out = question_of(body.get('messages'))
     flags, budget, ignored = request_settings(body)
     if spec is not None: flags['controller'] = spec
+    self.check_policy(flags)
     flags['role_endpoints'] = self.role_endpoints
     try: config, record = layer_settings(method, self.preset, None, flags, self.model, self.backend)
     except (ValueError, TypeError) as e: raise BadRequest(' '.join(str(e).split()), param=SETTINGS_KEY) from None
     problem = problem_for(question, self.known)
+    check_request_size(method, config, self.max_request_samples, self.max_total_tokens)   # before any plan is built
     tokens = planned_new_tokens(method, config)
     for limit, who in ((budget, f'{SETTINGS_KEY}.max_total_tokens'), (self.max_total_tokens, "this gateway's --max-total-tokens")):
         if limit is not None and tokens > limit:
@@ -429,6 +482,7 @@ async def respond(self:Gateway, req: GatewayRequest) -> dict:
     finally: ticker.cancel()
     self.counts['completed'] += 1
     content, finish, ext = self.answer(req, run, time.perf_counter() - t0, ran)
+    if not self.expose_grades: ext = withhold_grades(ext, req.problem)
     if ran: GATEWAY_LOG.info(f"{req.name}: answered after {took()} ({ext['upstream_samples']} samples from the upstream, "
                              f"{ext['cached_samples']} from the call cache)")
     return {'content': content, 'finish': finish, 'ext': ext, 'usage': _usage(run)}
@@ -569,7 +623,8 @@ def _gateway_command(args) -> int:
     try:
         llm, model, backend, base_url = open_upstream(s)
         gw = Gateway(llm, s.out, model, backend, base_url, s.preset, endpoints, s.benchmark, s.concurrency, s.max_total_tokens)
-        gw.progress_every_s = s.progress_every
+        gw.progress_every_s, gw.max_request_samples = s.progress_every, s.max_request_samples
+        gw.expose_grades, gw.allow_templates = s.expose_grades, s.allow_templates
     except BaseException: sock.close(); raise
     print(f"tmas gateway: {len(listed_models())} methods over {model} ({backend}{' at ' + base_url if base_url else ''}) at "
           f"http://{s.host}:{s.port}/v1; run folders in {gw.out}; each request's start, progress (every {s.progress_every:g} s) "
