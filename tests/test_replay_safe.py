@@ -507,3 +507,32 @@ def test_grid_and_results_say_which_path(tmp_path, peek_store):
     assert g.eval_path.tolist() == ['safe'] and g.max_branches.tolist() == [4] and g.over_max_branches.tolist() == [0]
     g = evaluate_file_grid(p, 'Greedy', [{'k': 2}], [peek_store], seeds=range(2), trusted=True)
     assert g.eval_path.tolist() == ['trusted']
+
+
+DEEP = '''
+import os, struct, time
+from tmas_nb.autotts.pipe import frame, K_DIGEST, K_ERROR
+DEEP = b'[' * 200_000 + b']' * 200_000
+T0 = struct.pack('<I', 0)
+FRAMES = [frame(K_DIGEST, T0 + DEEP)] if {trusted} else [frame(K_ERROR, DEEP)]
+class Deep:
+    def __init__(self, config=None): pass
+    def solve(self, question):
+        for fd in range(3, 12):          # every descriptor the protocol might use
+            for msg in FRAMES:
+                view = memoryview(msg)
+                try:
+                    while view: view = view[os.write(fd, view):]
+                except OSError: pass
+        time.sleep(5)
+        return question.get_new_branch_final_answer()
+'''
+
+
+@pytest.mark.parametrize('trusted', [False, True])
+def test_a_frame_of_json_nested_200000_deep_is_a_one_line_protocol_error(tmp_path, peek_store, trusted):
+    """Before: the parent read the child's JSON payload with `json.loads`, whose RecursionError at 200,000 levels escaped
+    as a traceback out of the evaluation. Now it breaks the protocol: the child is stopped and the error is one line."""
+    p = write(tmp_path, 'deep.py', DEEP.replace('{trusted}', str(trusted)))
+    r = evaluate_file(p, 'Deep', {}, peek_store, seeds=[0], timeout=20, trusted=trusted)
+    assert r.error.startswith('deep.py: ') and 'nested too deeply to read' in r.error and '\n' not in r.error, r.error

@@ -19,7 +19,7 @@ from . import controllers as _controllers
 from .environment import check_schedule
 from .fast import authors_log_kernel
 from .pipe import (
-    FrameReader, ProtocolError, PipeClosed, PipeTimeout, K_READY, K_FATAL, K_START, K_SEED, K_END, K_ERROR, K_DIGEST,
+    frame_json, FrameReader, ProtocolError, PipeClosed, PipeTimeout, K_READY, K_FATAL, K_START, K_SEED, K_END, K_ERROR, K_DIGEST,
     _child_argv, _child_env, _death_cause, _end_child, _start_child, _stderr_tail)
 from .results import EvalResult
 from .safe import ControllerFile, evaluate_safe
@@ -156,13 +156,14 @@ def _check_seed(p: bytes, t: int, seeds: set, n_q: int):
 def _child_ready(kind: int, p: bytes) -> str:
     "The API ('authors' or 'ours') that a child's first frame announces; anything else breaks the protocol."
     if kind != K_READY: raise ProtocolError(f"a frame of kind {kind} before the child was ready")
-    api = json.loads(p).get('api')
+    d = frame_json(p, 'a ready frame')
+    api = d.get('api') if isinstance(d, dict) else None
     if api not in ('authors', 'ours'): raise ProtocolError(f"an unknown API {api!r}")
     return api
 
 def _check_digest(p: bytes, dig: set) -> dict:
     "A digest frame's one entry, refused unless it is a digest not yet sent for this configuration (`dig`)."
-    d = json.loads(p[4:])
+    d = frame_json(p[4:], 'a state digest')
     if not (isinstance(d, dict) and len(d) == 1 and next(iter(d)) in {'globals', 'digest_start', 'digest_end'} - dig):
         raise ProtocolError("a state digest out of turn")
     return d

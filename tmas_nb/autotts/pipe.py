@@ -4,7 +4,7 @@
 
 # %% ../../nbs/autotts/07a_pipe.ipynb #5201730b
 from __future__ import annotations
-import os, select, shutil, signal, struct, subprocess, sys, tempfile, threading, time
+import json, os, select, shutil, signal, struct, subprocess, sys, tempfile, threading, time
 from pathlib import Path
 
 import tmas_nb
@@ -15,7 +15,7 @@ __all__ = ['K_READY', 'K_FATAL', 'K_BATCH', 'K_DONE', 'K_ERROR', 'K_START', 'K_S
            'K_REPLY', 'K_QUIT', 'OP_PROBE_NEW', 'OP_PROBE_MORE', 'OP_FINAL_NEW', 'OP_BRANCH', 'OP_ADVANCE',
            'OP_READ_WHOLE', 'OP_PROBE', 'OP_PRUNE', 'OP_ANSWER', 'OP_DIGEST', 'OP_ANSWERED', 'OP_DIGESTED', 'OP_TRACE',
            'TRACE_BYTES', 'E_CEILING', 'E_RANGE', 'E_INDEX', 'E_ILLEGAL', 'FL_FINISHED', 'FL_NEW', 'ProtocolError',
-           'PipeTimeout', 'PipeClosed', 'frame', 'ChildPipe', 'FrameReader', 'FrameWriter']
+           'PipeTimeout', 'PipeClosed', 'frame', 'frame_json', 'ChildPipe', 'FrameReader', 'FrameWriter']
 
 # %% ../../nbs/autotts/07a_pipe.ipynb #07baa0f4
 class ProtocolError(Exception):
@@ -32,6 +32,13 @@ _HEAD = struct.Struct('<IB')        # payload length, kind
 def frame(kind: int, payload: bytes = b'') -> bytes:
     "One frame: the payload's length (4 bytes), its kind (1 byte), the payload."
     return _HEAD.pack(len(payload), kind) + payload
+
+# %% ../../nbs/autotts/07a_pipe.ipynb #f7e4939f
+def frame_json(payload: bytes, what: str):
+    "The JSON value of a frame's `payload`; a `ProtocolError` naming `what` when it is not JSON or is nested too deep to read."
+    try: return json.loads(payload)
+    except (ValueError, UnicodeDecodeError): raise ProtocolError(f"{what} that is not JSON") from None
+    except RecursionError: raise ProtocolError(f"{what} nested too deeply to read") from None
 
 # %% ../../nbs/autotts/07a_pipe.ipynb #5d41222a
 K_READY, K_FATAL, K_BATCH, K_DONE, K_ERROR, K_START, K_SEED, K_END, K_DIGEST = range(1, 10)     # child -> parent

@@ -16,7 +16,7 @@ from tmas_nb.autotts.fast import (
     serve_kernel, serve_loop, schedule_code, ST_FRAME, ST_CLOSED, ST_IO, ST_TIMEOUT, ST_OVER_CAP, ST_BAD, ST_MARK, ST_KEPT,
     ST_REPLY)
 from .pipe import (
-    FrameReader, FrameWriter, ProtocolError, PipeClosed, PipeTimeout, K_READY, K_FATAL, K_BATCH, K_DONE, K_ERROR,
+    frame_json, FrameReader, FrameWriter, ProtocolError, PipeClosed, PipeTimeout, K_READY, K_FATAL, K_BATCH, K_DONE, K_ERROR,
     K_JOB, K_TASK, K_REPLY, K_QUIT, OP_PROBE_NEW, OP_PROBE_MORE, OP_FINAL_NEW, OP_BRANCH, OP_ADVANCE, OP_READ_WHOLE,
     OP_ANSWER, OP_DIGEST, OP_ANSWERED, OP_DIGESTED, OP_TRACE, TRACE_BYTES, _child_argv, _child_env, _death_cause,
     _end_child, _start_child, _stderr_tail)
@@ -139,8 +139,7 @@ def _notes(self: _Plan, req, idx: list, p: bytes, off: int) -> None:
             if self.meta[row]['flags'] & (_KEEP | _HASH): self.answers[row] = ans
         elif op == OP_DIGEST:
             if x < 0 or off + x > len(p): raise ProtocolError("a digest longer than the batch")
-            try: d = json.loads(p[off:off + x])
-            except (ValueError, UnicodeDecodeError): raise ProtocolError("a digest that is not JSON") from None
+            d = frame_json(p[off:off + x], 'a digest')
             off += x
             kk = d.get('k') if isinstance(d, dict) else None
             row_d = int(self.lane_off[l]) + kk if isinstance(kk, int) and 0 <= kk < int(self.lane_off[l + 1] - self.lane_off[l]) else None
@@ -160,8 +159,7 @@ _Plan._notes = _notes
 def _own_trace(self: _Plan, l: int, x: int, p: bytes, off: int, answered: int) -> tuple[int, list, int]:
     "(row, steps, offset after it) of a controller's own trace note of lane `l`: JSON of at most `TRACE_BYTES`, for an answered episode the parent marked."
     if x < 0 or x > TRACE_BYTES or off + x > len(p): raise ProtocolError("a controller trace longer than the batch or than its cap")
-    try: d = json.loads(p[off:off + x])
-    except (ValueError, UnicodeDecodeError, RecursionError): raise ProtocolError("a controller trace that is not JSON") from None
+    d = frame_json(p[off:off + x], 'a controller trace')
     k = d.get('k') if isinstance(d, dict) else None
     row = int(self.lane_off[l]) + k if isinstance(k, int) and not isinstance(k, bool) and 0 <= k < answered else None
     if row is None or not self.meta[row]['flags'] & _KEEP or row in self.own or not isinstance(d.get('trace'), list):
@@ -195,8 +193,7 @@ class _Session:
 def _error_text(self: _Session, plan: _Plan, p: bytes) -> str:
     "The one line of a `K_ERROR`: the file, the exception, the class, the seed and question, the line."
     ev = self.ev
-    try: e = json.loads(p)
-    except (ValueError, UnicodeDecodeError): raise ProtocolError("an error report that is not JSON") from None
+    e = frame_json(p, 'an error report')
     if not (isinstance(e, dict) and isinstance(e.get('lane'), int) and 0 <= e['lane'] < len(plan.lanes) and isinstance(e.get('k'), int)
             and -1 <= e['k'] < len(plan.lanes[e['lane']])):
         raise ProtocolError("an error report for no episode")
@@ -281,7 +278,7 @@ def _child(self: _Session, first: int) -> int:
             for plan in self.plans[first:]: self.on_error(plan, msg)
             return len(self.plans)
         if kind != K_READY: raise ProtocolError(f"a frame of kind {kind} before the child was ready")
-        ready = json.loads(p)
+        ready = frame_json(p, 'a ready frame')
         if not isinstance(ready, dict) or ready.get('api') not in ('authors', 'ours'): raise ProtocolError("a child ready with no API")
         self.api, self.fresh = ready['api'], ready.get('fresh')
         ev.found_api(self.api, self.fresh)
