@@ -55,9 +55,9 @@ class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         warnings.warn(f"{spec.name} moved to {new}: import it from there (the old path goes in the next release)",
                       MovedWarning, stacklevel=2)
         module = importlib.import_module(new)
-        self._spec = module.__spec__
+        spec.loader_state = module.__spec__  # carried on the old path's spec, which the import system sets on the module
         return module
     def exec_module(self, module):
-        module.__spec__ = self._spec      # the import system set the old path's spec: the module keeps its own
+        module.__spec__ = module.__spec__.loader_state      # the module keeps its own spec
 
 if not any(isinstance(f, _OldPaths) for f in sys.meta_path): sys.meta_path.insert(0, _OldPaths())

@@ -18,9 +18,6 @@ from .folder import RUN_FILES, read_status, pass_at_1_by_iteration, Run, load_ru
 __all__ = ['CUT_WARNING', 'CUT_COST', 'run_folders', 'independent_runs', 'pass_at_1_by_run', 'distillation_parts', 'cut_warning',
            'run_facts', 'facts_lines', 'summary_text', 'runs_table', 'summary_cli', 'list_cli']
 
-# %% ../../nbs/runs/01b_summary.ipynb #b7682649
-from ..core import terminal_safe
-
 # %% ../../nbs/runs/01b_summary.ipynb #de6c4be0
 from .start import RUNS_FILE
 
